@@ -1,0 +1,1 @@
+"""tools: the `kvstore` operator CLI and the benchmarks (thin wrappers over the packages)."""
