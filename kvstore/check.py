@@ -1,0 +1,202 @@
+"""check_store: re-derive everything the index claims and report typed problems.
+
+Without read_data it checks structure: every record decodes, every block's chain key
+is its own hash, parents exist and are full blocks, pages named by blocks and
+checkpoint attachments exist (or are quarantined), reference counts, pins and
+children equal their recomputed values, and the byte counters add up.
+With read_data it also verifies every page: header, length, xxh3-128 of the stored
+bytes and blake3 of the raw bytes against the page's name. subset=(i, n) verifies
+only pages whose first digest byte is i modulo n, so a large store can be checked in
+n runs.
+
+check never repairs; GC, eviction and re-publishing do.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+from kvstore.errors import InvalidInput
+from kvstore.ids import ROOT_KEY
+from kvstore.pages import HEADER_NBYTES, PageHeader, decode_stored, verify_stored
+from kvstore.records import BlockRecord, Checkpoint
+from kvstore.store import COUNTERS, U64, Store, _get_u64, hash_page
+
+PROBLEM_KINDS = {
+    "page_damaged": "a page's stored bytes fail their header, length, xxh3 or blake3 check",
+    "page_missing": "a record names a page that is neither stored nor quarantined",
+    "page_quarantined": "a record names a page that was quarantined after failing a read",
+    "block_bad": "a block record does not decode, is not keyed by its own chain key, or "
+                 "names an unknown format",
+    "parent_missing": "a block's parent is not stored, or is a partial block",
+    "refcount_wrong": "a page's stored reference count differs from the recount",
+    "pin_wrong": "a block's pin count differs from the checkpoints that name it",
+    "index_wrong": "a children or lru index entry disagrees with the block records",
+    "checkpoint_bad": "a checkpoint does not decode, or names absent blocks",
+    "counter_wrong": "a byte counter differs from the recomputed total",
+}
+
+
+@dataclass(frozen=True)
+class Problem:
+    kind: str
+    object: str
+    detail: str
+
+    def __post_init__(self):
+        assert self.kind in PROBLEM_KINDS, f"unregistered problem kind {self.kind}"
+
+
+@dataclass
+class CheckReport:
+    problems: list[Problem] = field(default_factory=list)
+    pages_checked: int = 0
+    pages_read: int = 0
+    bytes_read: int = 0
+    blocks_checked: int = 0
+    checkpoints_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def add(self, kind: str, obj: str, detail: str) -> None:
+        self.problems.append(Problem(kind, obj, detail))
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["ok"] = self.ok
+        return out
+
+
+def check_store(store: Store, read_data: bool = False, subset: tuple[int, int] | None = None,
+                progress=None) -> CheckReport:
+    if subset is not None:
+        i, n = subset
+        if not (isinstance(i, int) and isinstance(n, int) and 0 <= i < n):
+            raise InvalidInput("subset must be (i, n) with 0 <= i < n")
+    report = CheckReport()
+    dbs = store.lmdb.dbs
+    formats = {f.format_id: f for f in store.list_formats()}
+    with store.lmdb.read(buffers=True) as txn:
+        # 1. pages
+        page_raw: dict[bytes, int] = {}
+        raw_total = stored_total = 0
+        with txn.cursor(db=dbs["pages"]) as cur:
+            for key, value in cur:
+                digest = bytes(key)
+                report.pages_checked += 1
+                try:
+                    header = PageHeader.unpack(value)
+                except ValueError as exc:
+                    report.add("page_damaged", digest.hex(), str(exc))
+                    continue
+                page_raw[digest] = header.raw_nbytes
+                raw_total += header.raw_nbytes
+                stored_total += HEADER_NBYTES + header.stored_nbytes
+                if read_data and (subset is None or digest[0] % subset[1] == subset[0]):
+                    _verify_page(report, digest, value)
+                if progress:
+                    progress(1, len(value))
+        quarantined = {bytes(k) for k in txn.cursor(db=dbs["quarantine"]).iternext(values=False)}
+
+        # 2. blocks
+        refs: Counter = Counter()
+        children_expected: set[bytes] = set()
+        lru_expected: set[bytes] = set()
+        blocks: dict[bytes, BlockRecord] = {}
+        with txn.cursor(db=dbs["blocks"]) as cur:
+            for key, value in cur:
+                key = bytes(key)
+                report.blocks_checked += 1
+                try:
+                    record = BlockRecord.decode(value)
+                except (ValueError, InvalidInput) as exc:
+                    report.add("block_bad", key.hex(), f"does not decode: {exc}")
+                    continue
+                if record.key != key:
+                    report.add("block_bad", key.hex(), f"record hashes to chain key {record.key.hex()}")
+                    continue
+                if record.format_id not in formats:
+                    report.add("block_bad", key.hex(), f"unknown format {record.format_id.hex()}")
+                blocks[key] = record
+                lru_expected.add(U64.pack(record.last_used_ns) + key)
+                if not record.is_root:
+                    children_expected.add(record.parent + key)
+                for d in record.pages:
+                    refs[bytes(d)] += 1
+        for key, record in blocks.items():
+            if not record.is_root:
+                parent = blocks.get(record.parent)
+                fmt = formats.get(record.format_id)
+                if parent is None:
+                    report.add("parent_missing", key.hex(), f"parent {record.parent.hex()} is not stored")
+                elif fmt is not None and len(parent.tokens) != fmt.block_size_tokens:
+                    report.add("parent_missing", key.hex(), "parent is a partial block")
+
+        # 3. checkpoints
+        pins: Counter = Counter()
+        with txn.cursor(db=dbs["checkpoints"]) as cur:
+            for key, value in cur:
+                report.checkpoints_checked += 1
+                label = bytes(key).replace(b"\x00", b"/").decode(errors="replace")
+                try:
+                    ckpt = Checkpoint.decode(value)
+                except (ValueError, InvalidInput) as exc:
+                    report.add("checkpoint_bad", label, f"does not decode: {exc}")
+                    continue
+                parent = ROOT_KEY
+                for k in ckpt.chain_keys:
+                    pins[bytes(k)] += 1
+                    record = blocks.get(bytes(k))
+                    if record is None:
+                        report.add("checkpoint_bad", label, f"names absent block {k.hex()}")
+                    elif record.parent != parent:
+                        report.add("checkpoint_bad", label, f"block {k.short} breaks the chain")
+                    parent = bytes(k)
+                for d in ckpt.attachments.values():
+                    refs[bytes(d)] += 1
+
+        # 4. references and indexes against the recount
+        for d, count in refs.items():
+            if d not in page_raw:
+                kind = "page_quarantined" if d in quarantined else "page_missing"
+                report.add(kind, d.hex(), f"named by {count} record(s)")
+        stored_refs = {bytes(k): U64.unpack(v)[0] for k, v in txn.cursor(db=dbs["refs"])}
+        for d in set(stored_refs) | set(refs):
+            if stored_refs.get(d, 0) != refs.get(d, 0):
+                report.add("refcount_wrong", d.hex(), f"stored {stored_refs.get(d, 0)}, recounted {refs.get(d, 0)}")
+        stored_pins = {bytes(k): U64.unpack(v)[0] for k, v in txn.cursor(db=dbs["pins"])}
+        for k in set(stored_pins) | set(pins):
+            if stored_pins.get(k, 0) != pins.get(k, 0):
+                report.add("pin_wrong", k.hex(), f"stored {stored_pins.get(k, 0)}, recounted {pins.get(k, 0)}")
+        children = {bytes(k) for k in txn.cursor(db=dbs["children"]).iternext(values=False)}
+        for entry in children ^ children_expected:
+            report.add("index_wrong", entry[32:].hex(), "children index disagrees with block records")
+        lru = {bytes(k) for k in txn.cursor(db=dbs["lru"]).iternext(values=False)}
+        for entry in lru ^ lru_expected:
+            report.add("index_wrong", entry[8:].hex(), "lru index disagrees with block records")
+
+        referenced_raw = sum(page_raw.get(d, 0) * n for d, n in refs.items())
+        recomputed = {"raw_nbytes": raw_total, "stored_nbytes": stored_total,
+                      "referenced_raw_nbytes": referenced_raw}
+        for name in COUNTERS:
+            if name in recomputed:
+                stored = _get_u64(txn, dbs["meta"], name.encode())
+                if stored != recomputed[name]:
+                    report.add("counter_wrong", name, f"stored {stored}, recomputed {recomputed[name]}")
+    return report
+
+
+def _verify_page(report: CheckReport, digest: bytes, value) -> None:
+    report.pages_read += 1
+    report.bytes_read += len(value)
+    try:
+        header, body = verify_stored(value)
+        raw = decode_stored(header, body)
+    except Exception as exc:  # zstd errors are not ValueErrors; every failure is damage
+        report.add("page_damaged", digest.hex(), str(exc) or type(exc).__name__)
+        return
+    if hash_page(raw) != digest:
+        report.add("page_damaged", digest.hex(), "blake3 of the raw bytes is not the page's name")

@@ -1,0 +1,177 @@
+"""Garbage collection: plan_gc(store, grace) -> GCPlan; plan.execute() deletes.
+
+What is garbage:
+  unreferenced pages   no block record or checkpoint names them (no `refs` entry) and
+                       their grace time (last upload or dedup hit, `page_times`) is
+                       older than the grace period;
+  orphans              quarantined page copies, and `page_times` entries whose page
+                       is gone.
+
+Why it is safe while writers run:
+  - a page uploaded but not yet committed is younger than the grace period;
+  - a writer that dedups against a stored page calls missing(), which refreshes the
+    page's grace time, so a sweep that planned to delete it skips it;
+  - execute() re-checks every candidate inside each delete transaction (still no
+    reference, still older than the grace period) before deleting it;
+  - a GC that has run (or been paused) for longer than its grace period aborts with
+    GCAborted instead of deleting, because its view may be older than a writer's
+    upload-to-commit window;
+  - one GC at a time per store: an exclusive flock on <store>/gc.lock.
+A writer whose pages were nonetheless collected (it paused between upload and commit
+for longer than the grace period) gets MissingReferences from commit and re-uploads;
+it never commits a record whose pages are absent.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+from kvstore import faults
+from kvstore.errors import GCAborted, InvalidInput
+from kvstore.pages import HEADER_NBYTES, PageHeader
+from kvstore.store import Store, _delete_page, _get_u64
+
+BATCH = 256
+HISTORY_KEY = b"gc_history"
+HISTORY_LENGTH = 50
+
+
+@dataclass(frozen=True)
+class GCCandidate:
+    digest: bytes
+    stored_nbytes: int
+    age_s: float
+
+
+@dataclass
+class GCPlan:
+    store: Store
+    grace_s: float
+    planned_at: float
+    planned_at_ns: int
+    pages: list[GCCandidate] = field(default_factory=list)
+    quarantined: list[bytes] = field(default_factory=list)
+    stale_times: list[bytes] = field(default_factory=list)
+
+    @property
+    def freed_nbytes(self) -> int:
+        return sum(c.stored_nbytes for c in self.pages)
+
+    def summary(self) -> dict:
+        return {
+            "grace_s": self.grace_s,
+            "unreferenced_pages": len(self.pages),
+            "unreferenced_nbytes": self.freed_nbytes,
+            "quarantined_pages": len(self.quarantined),
+            "stale_time_entries": len(self.stale_times),
+        }
+
+    def execute(self, progress=None) -> dict:
+        """Delete the plan's garbage in batches, re-checking each candidate. Raises
+        GCAborted when another GC holds the lock or when the plan is older than its
+        grace period. Returns what was deleted."""
+        lock_path = self.store.path / "gc.lock"
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise GCAborted(f"another GC is running on {self.store.path}; try again later") from None
+            return self._execute_locked(progress)
+        finally:
+            os.close(fd)
+
+    def _check_fresh(self):
+        # grace 0 means "collect everything unreferenced now": no window to protect.
+        elapsed = time.monotonic() - self.planned_at
+        if self.grace_s > 0 and elapsed > self.grace_s:
+            raise GCAborted(
+                f"the GC plan is {elapsed:.1f}s old, longer than its grace period of "
+                f"{self.grace_s:.1f}s; nothing more was deleted. Plan again"
+            )
+
+    def _execute_locked(self, progress) -> dict:
+        lmdb = self.store.lmdb
+        cutoff_ns = self.planned_at_ns - int(self.grace_s * 1e9)
+        deleted = {"pages": 0, "freed_nbytes": 0, "skipped": 0, "quarantined": 0, "stale_times": 0}
+        for start in range(0, len(self.pages), BATCH):
+            self._check_fresh()
+            batch = self.pages[start : start + BATCH]
+
+            def sweep(txn, dbs, batch=batch):
+                pages = freed = skipped = 0
+                for c in batch:
+                    stamp = _get_u64(txn, dbs["page_times"], c.digest)
+                    if txn.get(c.digest, db=dbs["refs"]) is not None or stamp > cutoff_ns:
+                        skipped += 1
+                        continue
+                    n = _delete_page(txn, dbs, c.digest)
+                    pages, freed = pages + (1 if n else 0), freed + n
+                return pages, freed, skipped
+            pages, freed, skipped = lmdb.write(sweep, what="GC delete")
+            faults.crash_point("gc_deleted")
+            deleted["pages"] += pages
+            deleted["freed_nbytes"] += freed
+            deleted["skipped"] += skipped
+            if progress:
+                progress(len(batch), sum(c.stored_nbytes for c in batch))
+        self._check_fresh()
+
+        def orphans(txn, dbs):
+            q = s = 0
+            for d in self.quarantined:
+                q += 1 if txn.delete(d, db=dbs["quarantine"]) else 0
+            for d in self.stale_times:
+                if txn.get(d, db=dbs["pages"]) is None:
+                    s += 1 if txn.delete(d, db=dbs["page_times"]) else 0
+            _append_history(txn, dbs, {**deleted, "quarantined": q, "stale_times": s,
+                                       "at_ns": time.time_ns(), "grace_s": self.grace_s})
+            return q, s
+        deleted["quarantined"], deleted["stale_times"] = lmdb.write(orphans, what="GC orphans")
+        return deleted
+
+
+def plan_gc(store: Store, grace_s: float = 3600.0) -> GCPlan:
+    if grace_s < 0:
+        raise InvalidInput("grace period must be >= 0 seconds")
+    planned_ns = time.time_ns()
+    plan = GCPlan(store, float(grace_s), time.monotonic(), planned_ns)
+    cutoff_ns = planned_ns - int(grace_s * 1e9)
+    dbs = store.lmdb.dbs
+    with store.lmdb.read(buffers=True) as txn:
+        with txn.cursor(db=dbs["pages"]) as cur:
+            for key, value in cur:
+                if txn.get(key, db=dbs["refs"]) is not None:
+                    continue
+                stamp = _get_u64(txn, dbs["page_times"], key)
+                if stamp > cutoff_ns:
+                    continue
+                stored = HEADER_NBYTES + PageHeader.unpack(value).stored_nbytes
+                plan.pages.append(GCCandidate(bytes(key), stored, (planned_ns - stamp) / 1e9))
+        with txn.cursor(db=dbs["quarantine"]) as cur:
+            plan.quarantined = [bytes(k) for k in cur.iternext(values=False)]
+        with txn.cursor(db=dbs["page_times"]) as cur:
+            plan.stale_times = [bytes(k) for k in cur.iternext(values=False)
+                                if txn.get(k, db=dbs["pages"]) is None]
+    faults.crash_point("gc_listed")
+    return plan
+
+
+def gc_history(store: Store) -> list[dict]:
+    with store.lmdb.read() as txn:
+        raw = txn.get(HISTORY_KEY, db=store.lmdb.dbs["meta"])
+    return json.loads(raw) if raw else []
+
+
+def _append_history(txn, dbs, entry: dict) -> None:
+    raw = txn.get(HISTORY_KEY, db=dbs["meta"])
+    history = json.loads(raw) if raw else []
+    history = (history + [entry])[-HISTORY_LENGTH:]
+    txn.put(HISTORY_KEY, json.dumps(history).encode(), db=dbs["meta"])
+
+
+__all__ = ["GCPlan", "GCCandidate", "plan_gc", "gc_history"]

@@ -1,0 +1,234 @@
+"""The one LMDB environment of a store directory, and the one write helper.
+
+Named sub-databases are declared here and nowhere else (DATABASES). Keys are fixed
+width where they can be (32-byte digests, big-endian integers) and always < 511 bytes.
+
+Every write goes through LmdbEnv.write(fn): fn(txn, dbs) runs in one write
+transaction; MapFullError aborts it, the map grows (doubling, up to max_map_nbytes)
+and fn runs again from scratch, so fn must not keep state between attempts.
+A full disk (ENOSPC) or a map at its limit raises StoreFull with nothing committed.
+A commit is durable when write() returns: the environment is opened with sync and
+metasync, so LMDB fdatasyncs the data and the meta page before commit returns, and a
+failed sync surfaces as StoreIOError (never retried into a success).
+
+Concurrency. Several processes may open one directory: LMDB serializes writers with
+its own lock file and lets readers run beside them. Within a process, set_mapsize()
+invalidates open transactions, so transactions hold a shared lock and a resize takes
+it exclusively. An environment belongs to the process that opened it: after fork()
+the child opens its own (the parent's handle is parked, never used or closed there).
+Stale reader slots left by killed processes are cleared at open and when slots run out.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import lmdb
+
+from kvstore import faults
+from kvstore.errors import StoreFull, StoreIOError
+
+T = TypeVar("T")
+
+# name -> what it maps (key -> value). The only place sub-databases are named.
+DATABASES = {
+    "meta": "ascii name -> value (schema version, byte counters, GC history)",
+    "formats": "format id (32) -> canonical JSON of the FormatIdentity",
+    "pages": "page digest (32) -> 48-byte header || stored bytes (kvstore/pages.py)",
+    "page_times": "page digest (32) -> u64be ns of the last upload or dedup hit (GC grace)",
+    "refs": "page digest (32) -> u64be count of block records and checkpoints naming it",
+    "quarantine": "page digest (32) -> the stored value that failed verification",
+    "blocks": "chain key (32) -> block record (kvstore/records.py)",
+    "children": "parent key (32) || child key (32) -> empty",
+    "lru": "u64be last-used ns || chain key (32) -> empty",
+    "pins": "chain key (32) -> u64be count of checkpoints naming the block",
+    "checkpoints": "namespace || 0x00 || name -> checkpoint manifest JSON",
+}
+
+DEFAULT_MAP_NBYTES = 1 << 30
+DEFAULT_MAX_MAP_NBYTES = 1 << 40
+MAX_READERS = 1024
+
+_parked_envs: list = []  # handles inherited across fork(): never used, never closed
+
+
+class RWLock:
+    """Many holders of the shared side, or one of the exclusive side."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+
+    @contextmanager
+    def shared(self):
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                if self._shared == 0:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self):
+        with self._cond:
+            while self._exclusive or self._shared:
+                self._cond.wait()
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+class LmdbEnv:
+    """Owns one lmdb.Environment for this process; see the module docstring."""
+
+    def __init__(self, path: Path, map_nbytes: int = DEFAULT_MAP_NBYTES,
+                 max_map_nbytes: int = DEFAULT_MAX_MAP_NBYTES, readonly: bool = False):
+        self.path = Path(path)
+        self.initial_map_nbytes = map_nbytes
+        self.max_map_nbytes = max(max_map_nbytes, map_nbytes)
+        self.readonly = readonly
+        self._lock = RWLock()
+        self._pid = -1
+        self._env = None
+        self._dbs: dict[str, object] = {}
+        self._open_lock = threading.Lock()
+        self._ensure_open()
+
+    # -- lifetime -------------------------------------------------------------------
+    def _ensure_open(self):
+        if self._pid == os.getpid() and self._env is not None:
+            return
+        with self._open_lock:
+            if self._pid == os.getpid() and self._env is not None:
+                return
+            if self._env is not None:  # inherited across fork(): park it, open our own
+                _parked_envs.append(self._env)
+            self.path.mkdir(parents=True, exist_ok=True)
+            env = lmdb.open(
+                str(self.path), map_size=self.initial_map_nbytes, subdir=True,
+                max_dbs=len(DATABASES) + 2, max_readers=MAX_READERS, sync=True,
+                metasync=True, lock=True, readonly=self.readonly, create=not self.readonly,
+                readahead=False, writemap=False,
+            )
+            env.reader_check()
+            dbs = {}
+            if self.readonly:
+                with env.begin() as txn:
+                    for name in DATABASES:
+                        dbs[name] = env.open_db(name.encode(), txn=txn, create=False)
+            else:
+                with env.begin(write=True) as txn:
+                    for name in DATABASES:
+                        dbs[name] = env.open_db(name.encode(), txn=txn, create=True)
+            self._env, self._dbs, self._pid = env, dbs, os.getpid()
+
+    def close(self):
+        with self._open_lock:
+            if self._env is not None and self._pid == os.getpid():
+                with self._lock.exclusive():
+                    self._env.close()
+            self._env = None
+
+    @property
+    def env(self):
+        self._ensure_open()
+        return self._env
+
+    @property
+    def dbs(self) -> dict:
+        self._ensure_open()
+        return self._dbs
+
+    def map_nbytes(self) -> int:
+        return self.env.info()["map_size"]
+
+    def used_nbytes(self) -> int:
+        """Bytes of the data file LMDB has used (last page number times page size)."""
+        info, stat = self.env.info(), self.env.stat()
+        return (info["last_pgno"] + 1) * stat["psize"]
+
+    # -- transactions -----------------------------------------------------------------
+    @contextmanager
+    def read(self, buffers: bool = False):
+        """A short read transaction. With buffers=True values are zero-copy memoryviews
+        valid only inside the block."""
+        env = self.env
+        for attempt in range(3):
+            with self._lock.shared():
+                try:
+                    txn = env.begin(buffers=buffers)
+                except lmdb.MapResizedError:
+                    pass
+                except lmdb.ReadersFullError:
+                    env.reader_check()
+                    continue
+                else:
+                    try:
+                        yield txn
+                    finally:
+                        txn.abort()
+                    return
+            self._adopt_grown_map()
+        raise StoreIOError("could not start a read transaction after adopting a grown map")
+
+    def write(self, fn: Callable[[object, dict], T], *, what: str = "write") -> T:
+        """Run fn(txn, dbs) in one durable write transaction (see the module docstring)."""
+        env = self.env
+        while True:
+            with self._lock.shared():
+                try:
+                    with env.begin(write=True) as txn:
+                        result = fn(txn, self._dbs)
+                        faults.crash_point("index_before_commit")
+                    faults.crash_point("index_committed")
+                    return result
+                except lmdb.MapResizedError:
+                    grow = None
+                except lmdb.MapFullError:
+                    grow = True
+                except lmdb.DiskError as exc:
+                    raise StoreFull(
+                        f"{what} failed: the disk under {self.path} is full ({exc}); nothing was "
+                        "committed. Free space, or run `kvstore gc` / `kvstore evict`"
+                    ) from None
+                except lmdb.ReadersFullError:
+                    env.reader_check()
+                    continue
+                except lmdb.Error as exc:
+                    if "No space" in str(exc):
+                        raise StoreFull(f"{what} failed: disk full ({exc}); nothing was committed") from None
+                    if isinstance(exc, (lmdb.PanicError, lmdb.CorruptedError, lmdb.InvalidError)):
+                        raise
+                    raise StoreIOError(f"{what} failed and was not committed: {exc}") from None
+            if grow:
+                self._grow_map(what)
+            else:
+                self._adopt_grown_map()
+
+    def _adopt_grown_map(self):
+        with self._lock.exclusive():
+            self._env.set_mapsize(0)
+
+    def _grow_map(self, what: str):
+        with self._lock.exclusive():
+            current = self._env.info()["map_size"]
+            if current >= self.max_map_nbytes:
+                raise StoreFull(
+                    f"{what} needs more than the store's map limit of {self.max_map_nbytes} bytes; "
+                    "nothing was committed. Raise max_map_nbytes, or run `kvstore gc` / `kvstore evict`"
+                )
+            self._env.set_mapsize(min(max(current * 2, 1 << 20), self.max_map_nbytes))
