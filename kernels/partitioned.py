@@ -1,0 +1,112 @@
+"""Partitioned paged attention in plain MLX ops: the CPU default.
+
+The history is cut into partitions of P tokens (P a multiple of block_size). For each
+partition the pages are gathered and dequantized, scores and a partial softmax are
+computed in float32, and the running (max, sum, output) triple is merged with the
+log-sum-exp rule:
+
+  m' = max(m, max_j s_j)
+  l' = l * exp(m - m') + sum_j exp(s_j - m')
+  o' = o * exp(m - m') + sum_j exp(s_j - m') v_j          (output = o / l at the end)
+
+Grouped-query attention reshapes queries [B, Hq, L, D] -> [B, Hkv, rep*L, D] (a view:
+query head h*rep + i, query l is row i*L + l) so K/V are never repeated. Sinks enter as
+the initial triple (m, l, o) = (sink, 1, 0). Partitions wholly outside every query's
+window are skipped.
+
+Workspace: one partition of dequantized K and V ([B, Hkv, P, D] float32 each), its scores
+[B, Hkv, rep*L, P] float32 and the running triple; never the whole history.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from kernels.layout import PageLayout
+from kernels.paging import (
+    check_shape,
+    clean_block_ids,
+    first_visible_key,
+    gather_pages,
+    prepare_queries,
+    sink_logits,
+    visibility_mask,
+)
+
+
+def partitioned_attention(
+    queries: mx.array,
+    planes: dict[str, mx.array],
+    block_tables: mx.array,
+    context_lens: list[int],
+    layout: PageLayout,
+    *,
+    scale: float,
+    mask=None,
+    window: int | None = None,
+    sinks: mx.array | None = None,
+    partition_tokens: int = 1024,
+) -> mx.array:
+    """queries [B, Hq, L, Dk] -> [B, Hq, L, Dv] in queries.dtype (float32 math)."""
+    if mask is not None and not (isinstance(mask, str) and mask == "causal"):
+        raise ValueError("partitioned attention takes mask None or 'causal' (array masks: reference)")
+    shape = check_shape(queries, planes, block_tables, context_lens, layout)
+    block_size = shape.block_size
+    partition_tokens = partition_size(partition_tokens, block_size)
+    causal = mask == "causal" or window is not None
+    batch, rows = shape.batch, shape.rep * shape.num_queries
+
+    # queries: [B, Hkv, rep*L, Dk] float32, scale folded in
+    grouped = (prepare_queries(queries, layout) * scale).reshape(
+        batch, shape.n_kv_heads, rows, shape.k_head_dim
+    )
+    if sinks is None:
+        running_max = mx.full((batch, shape.n_kv_heads, rows, 1), -mx.inf, dtype=mx.float32)
+        running_sum = mx.zeros((batch, shape.n_kv_heads, rows, 1), dtype=mx.float32)
+    else:
+        running_max = mx.broadcast_to(sink_logits(sinks, shape), (batch, shape.n_kv_heads, rows, 1))
+        running_sum = mx.ones((batch, shape.n_kv_heads, rows, 1), dtype=mx.float32)
+    output = mx.zeros((batch, shape.n_kv_heads, rows, shape.v_head_dim), dtype=mx.float32)
+
+    first_key = first_visible_key(context_lens, shape.num_queries, window)
+    start = first_key // partition_tokens * partition_tokens
+    for token0 in range(start, shape.max_context, partition_tokens):
+        count = min(partition_tokens, shape.max_context - token0)
+        first_block = token0 // block_size
+        stop_block = first_block + math.ceil(count / block_size)
+        block_ids = clean_block_ids(block_tables, context_lens, block_size, first_block, stop_block)
+        keys, values = gather_pages(planes, layout, block_ids, mx.float32)
+        width = keys.shape[2]  # count rounded up to whole blocks
+
+        scores = grouped @ keys.transpose(0, 1, 3, 2)  # [B, Hkv, rows, width]
+        visible = visibility_mask(
+            context_lens, shape.num_queries, token0, width, causal=causal, window=window
+        )
+        if visible is not None:
+            # visible: [B, 1, L, width] -> rows are (rep, L): broadcast over rep
+            by_rep = scores.reshape(batch, shape.n_kv_heads, shape.rep, shape.num_queries, width)
+            by_rep = mx.where(visible[:, :, None], by_rep, -mx.inf)
+            scores = by_rep.reshape(batch, shape.n_kv_heads, rows, width)
+
+        new_max = mx.maximum(running_max, scores.max(axis=-1, keepdims=True))
+        # a row that has seen nothing yet keeps max -inf; shift by 0 so exp() gives 0, not nan
+        shift = mx.where(new_max == -mx.inf, 0.0, new_max)
+        weights = mx.exp(scores - shift)
+        correction = mx.exp(running_max - shift)
+        running_sum = running_sum * correction + weights.sum(axis=-1, keepdims=True)
+        output = output * correction + weights @ values
+        running_max = new_max
+
+    result = (output / running_sum).reshape(
+        batch, shape.n_q_heads, shape.num_queries, shape.v_head_dim
+    )
+    return result.astype(queries.dtype)
+
+
+def partition_size(partition_tokens: int, block_size: int) -> int:
+    """partition_tokens rounded up to a whole number of blocks (at least one)."""
+    if partition_tokens <= 0:
+        raise ValueError(f"partition_tokens must be positive, got {partition_tokens}")
+    return max(1, math.ceil(partition_tokens / block_size)) * block_size
