@@ -1,0 +1,315 @@
+"""PagedKVCache: an mlx-lm full-attention layer cache whose history lives in pool blocks.
+
+It answers everything mlx-lm 0.32's models, generate_step and cache utilities call on a
+KVCache: offset, update_and_fetch, make_mask, state (read in mx.eval), is_trimmable,
+trim, size, empty, nbytes. K/V are encoded (rotated and quantized for packed formats)
+exactly once, in update_and_fetch, and written into the blocks of a host-side block
+table (a Python list of pool block ids, in token order).
+
+Attention does not go through the arrays update_and_fetch returns. Those are a lazy
+gather of the decoded history, so a model whose attention was not installed (see
+engine/attention.py) still computes the right thing; with the engine installed nothing
+ever evaluates them and they cost a few graph nodes. Installed, the layer attends
+through kernels.attention.paged_attention over the pool planes.
+
+Sharing: clone() shares every block (reference counts); the first write into a shared
+block copies it (copy-on-write). snapshot() pins the blocks it covers the same way, so
+its pages cannot change under later appends, trims or frees.
+
+Batch size 1 only: anything else raises UnsupportedBatch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import weakref
+
+import mlx.core as mx
+from mlx_lm.models.cache import create_attention_mask
+
+from engine.errors import FormatMismatch, SnapshotReleased, UnsupportedBatch
+from engine.formats import (
+    PageSpec,
+    decode_tokens,
+    encode_tokens,
+    gather_history,
+    pages_from_blocks,
+    resolve_format,
+)
+from engine.pool import BlockPool
+
+
+def _release(pool: BlockPool, blocks: list[int]) -> None:
+    """Finalizer and free(): give a block list's references back, once."""
+    if blocks:
+        pool.decref(blocks)
+        blocks.clear()
+
+
+class PagedKVCache:
+    def __init__(self, pool: BlockPool, *, attention_impl: str | None = None):
+        self.pool = pool
+        self.spec: PageSpec = pool.spec
+        self.attention_impl = attention_impl  # passed to kernels.attention.paged_attention
+        self.offset = 0
+        self.dtype: mx.Dtype | None = None  # the model's K/V dtype, seen at the first write
+        self._blocks: list[int] = []  # host-side block table
+        self._table: mx.array | None = None  # device copy, rebuilt when the table changes
+        # A dropped cache gives its blocks back, like a dropped KVCache frees its arrays.
+        self._finalizer = weakref.finalize(self, _release, pool, self._blocks)
+
+    # -- mlx-lm cache interface ---------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """keys [1, Hkv, L, Dk], values [1, Hkv, L, Dv] -> lazy decoded history
+        ([1, Hkv, offset, Dk], [1, Hkv, offset, Dv]) in the keys' dtype."""
+        self._check_input(keys, values)
+        start, stop = self.offset, self.offset + keys.shape[2]
+        encoded = encode_tokens(self.spec, keys[0], values[0])
+        self._make_writable(start, stop)
+        size = self.spec.block_size_tokens
+        position = start
+        while position < stop:
+            index, slot = divmod(position, size)
+            run = min(size - slot, stop - position)
+            part = {n: p[:, position - start:position - start + run] for n, p in encoded.items()}
+            self.pool.write(self._blocks[index], slot, part)
+            position += run
+        self.offset = stop
+        self.dtype = keys.dtype
+        return self.keys_and_values()
+
+    def keys_and_values(self, dtype: mx.Dtype | None = None):
+        """The decoded history ([1, Hkv, offset, D] each), lazily; keys unrotated."""
+        dtype = dtype or self.dtype or self.spec.format.dtype or mx.float32
+        history = gather_history(self.spec, self.pool.planes, self._blocks, self.offset)
+        keys, values = decode_tokens(self.spec, history, dtype)
+        return keys[None], values[None]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """The mask mlx-lm's KVCache would give N new queries at this offset."""
+        return create_attention_mask(N, offset=self.offset, return_array=return_array,
+                                     window_size=window_size)
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last n tokens; blocks no longer covering any token are freed."""
+        n = max(0, min(self.offset, n))
+        self.offset -= n
+        keep = math.ceil(self.offset / self.spec.block_size_tokens)
+        tail = self._blocks[keep:]
+        if tail:
+            del self._blocks[keep:]
+            self._table = None
+            self.pool.decref(tail)
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the blocks this cache references (shared blocks counted in full)."""
+        return len(self._blocks) * self.pool.block_nbytes
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        """The stored planes of the history, in plane order, each [1, Hkv, offset, width].
+
+        Raw pages, not decoded values: packed planes stay packed. mlx-lm evaluates this
+        after every prefill chunk, which also flushes pending writes into the pool.
+        """
+        history = gather_history(self.spec, self.pool.planes, self._blocks, self.offset)
+        return tuple(history[name][None] for name in self.spec.plane_names)
+
+    @state.setter
+    def state(self, planes) -> None:
+        """Replace the history by the given planes (same page format, no re-encoding)."""
+        planes = tuple(planes)
+        names = self.spec.plane_names
+        if len(planes) != len(names):
+            raise FormatMismatch(f"{self.spec.format.name} state has planes {names}, got {len(planes)} arrays")
+        self.free()
+        tokens = planes[0].shape[2]
+        self._write_planes({n: p[0] for n, p in zip(names, planes, strict=True)}, tokens)
+
+    @property
+    def meta_state(self) -> tuple[str]:
+        """The page spec as canonical JSON: what state's arrays mean."""
+        spec = self.spec
+        return (json.dumps({"page_format": spec.format.name, "kv_heads": spec.kv_heads,
+                            "k_head_dim": spec.k_head_dim, "v_head_dim": spec.v_head_dim,
+                            "block_size_tokens": spec.block_size_tokens,
+                            "group_size": spec.group_size, "rotation_seed": spec.rotation_seed},
+                           sort_keys=True, separators=(",", ":")),)
+
+    @classmethod
+    def from_state(cls, state, meta_state, pool: BlockPool | None = None, **kwargs):
+        """A cache holding `state` in `pool` (a fresh 1-layer pool when None).
+
+        meta_state is required: the page format is read from it, never guessed from the
+        arrays.
+        """
+        meta = json.loads(meta_state[0])
+        spec = PageSpec(resolve_format(meta["page_format"], mx.float32), meta["kv_heads"],
+                        meta["k_head_dim"], meta["v_head_dim"], meta["block_size_tokens"],
+                        meta["group_size"], meta["rotation_seed"])
+        if pool is None:
+            tokens = state[0].shape[2]
+            pool = BlockPool(spec, max(1, math.ceil(tokens / spec.block_size_tokens)))
+        elif pool.spec != spec:
+            raise FormatMismatch(f"state of {spec} does not fit a pool of {pool.spec}")
+        cache = cls(pool, **kwargs)
+        cache.state = state
+        return cache
+
+    @classmethod
+    def merge(cls, caches):
+        raise UnsupportedBatch("PagedKVCache serves batch size 1; batched generation "
+                               "(BatchGenerator) needs mlx-lm's own caches")
+
+    # -- engine interface ---------------------------------------------------------
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        return tuple(self._blocks)
+
+    def block_table(self) -> mx.array:
+        """[1, num_blocks] int32, cached until the table changes."""
+        if self._table is None:
+            self._table = mx.array([self._blocks or [0]], dtype=mx.int32)
+        return self._table
+
+    def clone(self) -> "PagedKVCache":
+        """A cache sharing every block with this one (copy-on-write on either side)."""
+        other = type(self)(self.pool, attention_impl=self.attention_impl)
+        self.pool.incref(self._blocks)
+        other._blocks.extend(self._blocks)
+        other.offset = self.offset
+        other.dtype = self.dtype
+        return other
+
+    def snapshot(self) -> "PageSnapshot":
+        """Immutable pages of the history as it is now (see PageSnapshot)."""
+        return PageSnapshot(self.pool, list(self._blocks), self.offset)
+
+    def free(self) -> None:
+        """Give every block back to the pool; the cache is empty afterwards."""
+        _release(self.pool, self._blocks)
+        self._table = None
+        self.offset = 0
+
+    @classmethod
+    def from_pages(cls, pool: BlockPool, pages: list, **kwargs) -> "PagedKVCache":
+        """A cache holding kvstore pages (bytes) as they are: no re-encoding."""
+        from engine.formats import blocks_from_pages
+
+        planes, tokens = blocks_from_pages(pool.spec, pages)
+        cache = cls(pool, **kwargs)
+        size = pool.spec.block_size_tokens
+        flat = {n: p.transpose(1, 0, 2, 3).reshape(p.shape[1], -1, p.shape[3])[:, :tokens]
+                for n, p in planes.items()}
+        assert all(v.shape[1] == tokens for v in flat.values()), size
+        cache._write_planes(flat, tokens)
+        return cache
+
+    # -- internals ----------------------------------------------------------------
+    def _check_input(self, keys: mx.array, values: mx.array) -> None:
+        spec = self.spec
+        if keys.ndim != 4 or keys.shape[0] != 1:
+            raise UnsupportedBatch(f"PagedKVCache takes keys [1, Hkv, L, D], got {keys.shape}")
+        expected_k = (1, spec.kv_heads, keys.shape[2], spec.k_head_dim)
+        expected_v = (1, spec.kv_heads, keys.shape[2], spec.v_head_dim)
+        if tuple(keys.shape) != expected_k or tuple(values.shape) != expected_v:
+            raise FormatMismatch(f"keys {keys.shape} / values {values.shape} do not fit "
+                                 f"{expected_k} / {expected_v}")
+        native = spec.format.dtype
+        if native is not None and (keys.dtype != native or values.dtype != native):
+            raise FormatMismatch(f"{spec.format.name} pages cannot hold {keys.dtype} keys")
+
+    def _make_writable(self, start: int, stop: int) -> None:
+        """Ensure blocks for tokens [start, stop) exist and are owned by this cache alone.
+
+        All blocks needed (new ones and copy-on-write targets) are allocated in one
+        call, so PoolExhausted leaves the table and every block as they were.
+        """
+        size = self.spec.block_size_tokens
+        needed = math.ceil(stop / size) - len(self._blocks)
+        first = start // size
+        shared = [i for i in range(first, len(self._blocks)) if self.pool.refcount(self._blocks[i]) > 1]
+        fresh = self.pool.allocate(max(needed, 0) + len(shared))
+        for index, target in zip(shared, fresh[:len(shared)], strict=True):
+            source = self._blocks[index]
+            self.pool.copy_block(source, target)
+            self._blocks[index] = target
+            self.pool.decref([source])
+        self._blocks.extend(fresh[len(shared):])
+        if fresh:
+            self._table = None
+
+    def _write_planes(self, planes: dict[str, mx.array], tokens: int) -> None:
+        """Write already-encoded planes [H, tokens, width] as the history (cache empty)."""
+        assert self.offset == 0 and not self._blocks, "write_planes needs an empty cache"
+        for name in self.spec.plane_names:
+            plane = planes[name]
+            if plane.dtype != self.spec.plane_dtypes[name] or plane.shape[1] != tokens:
+                raise FormatMismatch(f"plane {name}: {plane.dtype}{plane.shape} does not fit "
+                                     f"{self.spec.format.name}")
+        self._make_writable(0, tokens)
+        size = self.spec.block_size_tokens
+        for index, block in enumerate(self._blocks):
+            lo, hi = index * size, min(tokens, (index + 1) * size)
+            self.pool.write(block, 0, {n: p[:, lo:hi] for n, p in planes.items()})
+        self.offset = tokens
+
+
+class PageSnapshot:
+    """Immutable pages of one layer's history at one moment, for publication.
+
+    It holds a reference on every block it covers, so neither the cache it came from
+    nor any other can write into them (their next write copies the block first) and
+    freeing the cache does not recycle them. release() (or leaving a `with` block, or
+    dropping the snapshot) gives the references back.
+    """
+
+    def __init__(self, pool: BlockPool, blocks: list[int], num_tokens: int):
+        self.pool = pool
+        self.spec = pool.spec
+        self.num_tokens = num_tokens
+        self._blocks = blocks
+        pool.incref(blocks)
+        self._finalizer = weakref.finalize(self, _release, pool, self._blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def released(self) -> bool:
+        return not self._finalizer.alive
+
+    @property
+    def nbytes(self) -> int:
+        """Pool bytes this snapshot pins (whole blocks)."""
+        return len(self._blocks) * self.pool.block_nbytes
+
+    def pages(self) -> list[bytes]:
+        """kvstore pages, one per block, the last covering only the tokens it holds."""
+        if self.released:
+            raise SnapshotReleased("this page snapshot was released")
+        if not self._blocks:
+            return []
+        return pages_from_blocks(self.spec, self.pool.planes, self._blocks, self.num_tokens)
+
+    def release(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> "PageSnapshot":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -1,0 +1,68 @@
+"""Every error the engine raises. Callers catch these; nothing here is HTTP-aware.
+
+    EngineError                       base of everything below
+    ├── InvalidRequest                the caller's mistake (also a ValueError)
+    │   ├── UnknownPageFormat         a page format name not in engine.formats.FORMATS
+    │   ├── InvalidPolicy             a KV policy (dict or TOML) that does not parse
+    │   ├── UnsupportedModel          a model type or geometry the engine has no rules for
+    │   ├── UnsupportedBatch          a paged cache was given a batch other than 1
+    │   └── FormatMismatch            keys, values or page bytes that do not fit the
+    │                                 cache's page format (dtype, heads, head dim, length)
+    ├── PoolExhausted                 no free block and the pool may not grow; raised
+    │                                 before any block or table was changed
+    └── SnapshotReleased              a page snapshot was read after release()
+
+Three levels, as the style guide asks: these exceptions for a caller's mistake or a
+failed operation; returned decisions (admission, restore-or-recompute) for "cannot
+now"; assertions with a diagnostic for broken invariants (reference counts, tables).
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class. `code` is a stable machine-readable name."""
+
+    code = "engine_error"
+
+
+class InvalidRequest(EngineError, ValueError):
+    code = "invalid_request"
+
+
+class UnknownPageFormat(InvalidRequest):
+    code = "unknown_page_format"
+
+
+class InvalidPolicy(InvalidRequest):
+    code = "invalid_policy"
+
+
+class UnsupportedModel(InvalidRequest):
+    code = "unsupported_model"
+
+
+class UnsupportedBatch(InvalidRequest):
+    code = "unsupported_batch"
+
+
+class FormatMismatch(InvalidRequest):
+    code = "format_mismatch"
+
+
+class PoolExhausted(EngineError):
+    """No free block is left and growth is capped.
+
+    `requested` blocks were asked for, `available` could be had (free plus growth).
+    """
+
+    code = "pool_exhausted"
+
+    def __init__(self, message: str, *, requested: int = 0, available: int = 0):
+        super().__init__(message)
+        self.requested = requested
+        self.available = available
+
+
+class SnapshotReleased(EngineError):
+    code = "snapshot_released"

@@ -1,0 +1,345 @@
+"""The one registry of page formats: their names, plane layouts, byte math and codecs.
+
+Formats (kvstore/format.py names them the same way):
+  native-bf16, native-f16, native-f32   K and V exactly as the model produced them.
+                                        "native" in a policy means the model's dtype.
+  k8v8, k8v4, k4v4                      token-local affine groups of `group_size` along
+                                        head_dim, FP32 scale and offset per group;
+                                        keys optionally in a signed Hadamard basis.
+
+A PageSpec is one layer's page format bound to its geometry and block size: it gives the
+kernels' PageLayout, the planes a pool arena holds, kvstore's LayerSpec, and the page
+byte layout. A page covers the tokens of one block (the last block may be shorter) and
+is the planes' bytes concatenated in plane order, each [kv_heads, tokens, width] C
+order, little-endian:
+  native:  k, v
+  packed:  k_codes, k_scales, k_offsets, v_codes, v_scales, v_offsets
+which is exactly LayerSpec.page_nbytes in kvstore/format.py.
+
+Values are quantized in one place, encode_tokens, called once when K/V are written.
+Nothing here re-quantizes a stored page.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+import mlx.core as mx
+import numpy as np
+
+from engine.errors import FormatMismatch, UnknownPageFormat, UnsupportedModel
+from engine.geometry import LayerGeometry, layer_geometry, model_fingerprint
+from kernels.hadamard import is_power_of_two, rotate, unrotate
+from kernels.layout import PageLayout
+from kernels.quant import dequantize, quantize
+from kvstore.format import FormatIdentity, LayerSpec
+
+ROTATION_SCHEME = "signed-hadamard"
+SCALE_DTYPE = "float32"
+
+
+@dataclass(frozen=True)
+class PageFormat:
+    name: str
+    k_bits: int = 0  # 0: native
+    v_bits: int = 0
+    dtype: mx.Dtype | None = None  # native formats only
+
+    @property
+    def packed(self) -> bool:
+        return self.k_bits != 0
+
+
+FORMATS: dict[str, PageFormat] = {
+    "native-bf16": PageFormat("native-bf16", dtype=mx.bfloat16),
+    "native-f16": PageFormat("native-f16", dtype=mx.float16),
+    "native-f32": PageFormat("native-f32", dtype=mx.float32),
+    "k8v8": PageFormat("k8v8", 8, 8),
+    "k8v4": PageFormat("k8v4", 8, 4),
+    "k4v4": PageFormat("k4v4", 4, 4),
+}
+FORMAT_ALIASES = ("native",)  # resolved against the model dtype
+_NATIVE_BY_DTYPE = {mx.bfloat16: "native-bf16", mx.float16: "native-f16", mx.float32: "native-f32"}
+# numpy has no bfloat16: its bytes travel as uint16 bit patterns.
+_NUMPY_DTYPES = {mx.bfloat16: np.uint16, mx.float16: np.float16, mx.float32: np.float32,
+                 mx.uint8: np.uint8}
+
+
+def native_format_name(dtype: mx.Dtype) -> str:
+    if dtype not in _NATIVE_BY_DTYPE:
+        raise UnsupportedModel(f"no native page format for model dtype {dtype}")
+    return _NATIVE_BY_DTYPE[dtype]
+
+
+def resolve_format(name: str, model_dtype: mx.Dtype) -> PageFormat:
+    """The PageFormat for a policy name; "native" becomes native-<model dtype>."""
+    if name == "native":
+        name = native_format_name(model_dtype)
+    if name not in FORMATS:
+        known = ", ".join(sorted(set(FORMATS) | set(FORMAT_ALIASES)))
+        raise UnknownPageFormat(f"unknown page format {name!r} (known: {known})")
+    return FORMATS[name]
+
+
+@dataclass(frozen=True)
+class PageSpec:
+    """One layer's pages: format, geometry, block size, quantization group and rotation."""
+
+    format: PageFormat
+    kv_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    block_size_tokens: int
+    group_size: int = 64
+    rotation_seed: int | None = None  # packed keys are stored as k @ R(seed) when set
+
+    def __post_init__(self):
+        if self.rotation_seed is not None:
+            if not self.format.packed:
+                raise FormatMismatch("native pages are never rotated")
+            if not is_power_of_two(self.k_head_dim):
+                raise FormatMismatch(f"key rotation needs a power-of-two head dim, got {self.k_head_dim}")
+        self.layout.plane_widths(self.k_head_dim, self.v_head_dim)  # validates group size
+
+    @property
+    def layout(self) -> PageLayout:
+        if not self.format.packed:
+            return PageLayout()
+        return PageLayout(self.format.k_bits, self.format.v_bits, self.group_size,
+                          self.rotation_seed)
+
+    @property
+    def plane_names(self) -> tuple[str, ...]:
+        return self.layout.plane_names
+
+    @property
+    def plane_widths(self) -> dict[str, int]:
+        return self.layout.plane_widths(self.k_head_dim, self.v_head_dim)
+
+    @property
+    def plane_dtypes(self) -> dict[str, mx.Dtype]:
+        if not self.format.packed:
+            return {"k": self.format.dtype, "v": self.format.dtype}
+        return {name: (mx.uint8 if name.endswith("codes") else mx.float32)
+                for name in self.plane_names}
+
+    def page_nbytes(self, tokens: int) -> int:
+        """Bytes of one page holding `tokens` tokens (equals LayerSpec.page_nbytes)."""
+        widths, dtypes = self.plane_widths, self.plane_dtypes
+        return sum(self.kv_heads * tokens * widths[n] * dtypes[n].size for n in self.plane_names)
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one full block of this layer in a pool arena."""
+        return self.page_nbytes(self.block_size_tokens)
+
+    @property
+    def rotation(self) -> str:
+        return "none" if self.rotation_seed is None else f"{ROTATION_SCHEME}:{self.rotation_seed}"
+
+    def layer_spec(self) -> LayerSpec:
+        packed = self.format.packed
+        return LayerSpec(kind="full", kv_heads=self.kv_heads, k_head_dim=self.k_head_dim,
+                         v_head_dim=self.v_head_dim, page_format=self.format.name,
+                         group_size=self.group_size if packed else 0,
+                         scale_dtype=SCALE_DTYPE if packed else "", rotation=self.rotation)
+
+    @classmethod
+    def from_layer_spec(cls, layer: LayerSpec, block_size_tokens: int) -> "PageSpec":
+        if layer.kind != "full":
+            raise FormatMismatch(f"a {layer.kind} layer has no pages")
+        seed = None
+        if layer.rotation != "none":
+            scheme, _, value = layer.rotation.partition(":")
+            if scheme != ROTATION_SCHEME or not value.isdigit():
+                raise FormatMismatch(f"unknown key rotation {layer.rotation!r}")
+            seed = int(value)
+        fmt = resolve_format(layer.page_format, mx.float32)
+        return cls(fmt, layer.kv_heads, layer.k_head_dim, layer.v_head_dim, block_size_tokens,
+                   layer.group_size if fmt.packed else 64, seed)
+
+
+def bits_per_value(spec: PageSpec, tokens: int | None = None) -> Fraction:
+    """Stored bits per K or V element, metadata included, from page_nbytes (exact)."""
+    tokens = tokens or spec.block_size_tokens
+    values = spec.kv_heads * tokens * (spec.k_head_dim + spec.v_head_dim)
+    return Fraction(spec.page_nbytes(tokens) * 8, values)
+
+
+# -- format identity ------------------------------------------------------------------
+def page_spec_for(geometry: LayerGeometry, fmt: PageFormat, policy) -> PageSpec:
+    """The PageSpec a policy gives one full-attention layer."""
+    seed = None
+    if fmt.packed and policy.rotation != "off":
+        if is_power_of_two(geometry.k_head_dim):
+            seed = policy.rotation_seed
+        elif policy.rotation == "on":
+            raise FormatMismatch(
+                f"rotation is 'on' but key head dim {geometry.k_head_dim} is not a power of two")
+    return PageSpec(fmt, geometry.kv_heads, geometry.k_head_dim, geometry.v_head_dim,
+                    policy.block_size_tokens, policy.group_size, seed)
+
+
+def format_identity(config, policy, *, model_id: str, model_dtype: mx.Dtype,
+                    tokenizer_fingerprint: str = "") -> FormatIdentity:
+    """kvstore's FormatIdentity for a model config (dict or ModelArgs) under a KV policy.
+
+    Full layers get the policy's page format; sliding layers (attachments) record the
+    model dtype's native format, the dtype their ring arrays travel in.
+    """
+    fmt = resolve_format(policy.format_for(model_id), model_dtype)
+    native = native_format_name(model_dtype)
+    layers = []
+    for geometry in layer_geometry(config):
+        if geometry.kind == "full":
+            layers.append(page_spec_for(geometry, fmt, policy).layer_spec())
+        else:
+            layers.append(LayerSpec(kind=geometry.kind, kv_heads=geometry.kv_heads,
+                                    k_head_dim=geometry.k_head_dim,
+                                    v_head_dim=geometry.v_head_dim,
+                                    page_format=native if geometry.kind == "sliding" else "none",
+                                    window=geometry.window))
+    return FormatIdentity(model_id=model_id, model_fingerprint=model_fingerprint(config),
+                          block_size_tokens=policy.block_size_tokens, layers=tuple(layers),
+                          tokenizer_fingerprint=tokenizer_fingerprint)
+
+
+def page_specs(identity: FormatIdentity) -> list[PageSpec | None]:
+    """Per layer, the PageSpec of a paged layer or None for an attachment layer."""
+    return [PageSpec.from_layer_spec(layer, identity.block_size_tokens) if layer.paged else None
+            for layer in identity.layers]
+
+
+# -- codecs ---------------------------------------------------------------------------
+def encode_tokens(spec: PageSpec, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
+    """keys [H, L, Dk], values [H, L, Dv] -> plane name -> [H, L, width].
+
+    The only place values are quantized. Packed keys are rotated first when the spec
+    has a rotation seed (float32 math).
+    """
+    if not spec.format.packed:
+        return {"k": keys, "v": values}
+    layout = spec.layout
+    if layout.rotated_keys:
+        keys = rotate(keys, layout.rotation_seed)
+    k_codes, k_scales, k_offsets = quantize(keys, layout.k_bits, layout.group_size)
+    v_codes, v_scales, v_offsets = quantize(values, layout.v_bits, layout.group_size)
+    return {"k_codes": k_codes, "k_scales": k_scales, "k_offsets": k_offsets,
+            "v_codes": v_codes, "v_scales": v_scales, "v_offsets": v_offsets}
+
+
+def decode_tokens(spec: PageSpec, planes: dict[str, mx.array], dtype: mx.Dtype):
+    """planes [..., T, width] -> (keys [..., T, Dk], values [..., T, Dv]) in dtype,
+    keys back in the model's basis. A read, never a re-encode."""
+    if not spec.format.packed:
+        return planes["k"].astype(dtype), planes["v"].astype(dtype)
+    layout = spec.layout
+    keys = dequantize(planes["k_codes"], planes["k_scales"], planes["k_offsets"], layout.k_bits)
+    values = dequantize(planes["v_codes"], planes["v_scales"], planes["v_offsets"],
+                        layout.v_bits)
+    if layout.rotated_keys:
+        keys = unrotate(keys, layout.rotation_seed)
+    return keys.astype(dtype), values.astype(dtype)
+
+
+def gather_history(spec: PageSpec, arena: dict[str, mx.array], block_ids: list[int],
+                   num_tokens: int) -> dict[str, mx.array]:
+    """A sequence's stored planes, contiguous: name -> [H, num_tokens, width]."""
+    if not block_ids:
+        return {n: mx.zeros((spec.kv_heads, 0, w), spec.plane_dtypes[n])
+                for n, w in spec.plane_widths.items()}
+    ids = mx.array(block_ids, dtype=mx.int32)
+    out = {}
+    for name in spec.plane_names:
+        blocks = arena[name][ids]  # [n, H, bs, W]
+        n, heads, size, width = blocks.shape
+        out[name] = blocks.transpose(1, 0, 2, 3).reshape(heads, n * size, width)[:, :num_tokens]
+    return out
+
+
+def _to_bytes(x: mx.array) -> bytes:
+    """C-order little-endian bytes of an array (bfloat16 as its uint16 bit patterns)."""
+    if x.dtype == mx.bfloat16:
+        x = x.view(mx.uint16)
+    host = np.array(x)
+    return host.astype(host.dtype.newbyteorder("<"), copy=False).tobytes()
+
+
+def page_from_planes(spec: PageSpec, planes: dict[str, mx.array]) -> bytes:
+    """One page's bytes from its planes, each [H, tokens, width]."""
+    tokens = planes[spec.plane_names[0]].shape[1]
+    parts = []
+    for name in spec.plane_names:
+        plane = planes[name]
+        expected = (spec.kv_heads, tokens, spec.plane_widths[name])
+        if tuple(plane.shape) != expected or plane.dtype != spec.plane_dtypes[name]:
+            raise FormatMismatch(f"plane {name} is {plane.dtype}{tuple(plane.shape)}, "
+                                 f"expected {spec.plane_dtypes[name]}{expected}")
+        parts.append(_to_bytes(plane))
+    data = b"".join(parts)
+    assert len(data) == spec.page_nbytes(tokens), (len(data), spec.page_nbytes(tokens))
+    return data
+
+
+def planes_from_page(spec: PageSpec, data, tokens: int) -> dict[str, mx.array]:
+    """A page's bytes -> name -> [H, tokens, width] (exact bytes, no re-encoding)."""
+    view = memoryview(data).cast("B")
+    if len(view) != spec.page_nbytes(tokens):
+        raise FormatMismatch(f"a page of {tokens} tokens is {spec.page_nbytes(tokens)} bytes, "
+                             f"got {len(view)}")
+    out, start = {}, 0
+    for name in spec.plane_names:
+        dtype = spec.plane_dtypes[name]
+        shape = (spec.kv_heads, tokens, spec.plane_widths[name])
+        count = shape[0] * shape[1] * shape[2]
+        raw = np.frombuffer(view, dtype=np.dtype(_NUMPY_DTYPES[dtype]).newbyteorder("<"),
+                            count=count, offset=start)
+        array = mx.array(raw.astype(_NUMPY_DTYPES[dtype], copy=False).reshape(shape))
+        out[name] = array.view(mx.bfloat16) if dtype == mx.bfloat16 else array
+        start += count * dtype.size
+    return out
+
+
+def pages_from_blocks(spec: PageSpec, arena: dict[str, mx.array], block_ids: list[int],
+                      num_tokens: int) -> list[bytes]:
+    """The kvstore pages of a sequence: one per block, the last one possibly shorter.
+
+    arena: name -> [num_blocks, H, block_size, width] (a pool layer's planes).
+    """
+    size = spec.block_size_tokens
+    if num_tokens > len(block_ids) * size or num_tokens <= (len(block_ids) - 1) * size:
+        raise FormatMismatch(f"{num_tokens} tokens do not fill {len(block_ids)} blocks of {size}")
+    ids = mx.array(block_ids, dtype=mx.int32)
+    gathered = {name: arena[name][ids] for name in spec.plane_names}
+    mx.eval(gathered)
+    pages = []
+    for i in range(len(block_ids)):
+        tokens = min(size, num_tokens - i * size)
+        pages.append(page_from_planes(spec, {n: g[i, :, :tokens] for n, g in gathered.items()}))
+    return pages
+
+
+def blocks_from_pages(spec: PageSpec, pages: list) -> tuple[dict[str, mx.array], int]:
+    """Pages (each a full block but the last) -> (name -> [n, H, block_size, width], tokens).
+
+    The tail of a short last block is zero. Inverse of pages_from_blocks.
+    """
+    size = spec.block_size_tokens
+    full = spec.page_nbytes(size)
+    lengths = [len(memoryview(p).cast("B")) for p in pages]
+    if any(n != full for n in lengths[:-1]):
+        raise FormatMismatch(f"every page but the last must hold a full block ({full} bytes)")
+    per_token = spec.page_nbytes(1)
+    if not pages or lengths[-1] == 0 or lengths[-1] % per_token or lengths[-1] > full:
+        raise FormatMismatch(f"the last page must hold 1..{size} tokens of {per_token} bytes")
+    tail = lengths[-1] // per_token
+    blocks: dict[str, list[mx.array]] = {n: [] for n in spec.plane_names}
+    for i, page in enumerate(pages):
+        tokens = size if i < len(pages) - 1 else tail
+        for name, plane in planes_from_page(spec, page, tokens).items():
+            if tokens < size:
+                pad = mx.zeros((spec.kv_heads, size - tokens, plane.shape[-1]), plane.dtype)
+                plane = mx.concatenate([plane, pad], axis=1)
+            blocks[name].append(plane)
+    return {n: mx.stack(b) for n, b in blocks.items()}, (len(pages) - 1) * size + tail

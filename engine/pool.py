@@ -1,0 +1,146 @@
+"""BlockPool: one layer's arena of fixed-size blocks, shared by every sequence of that layer.
+
+The arena is a set of planes, each [num_blocks, kv_heads, block_size, width] (see
+kernels/layout.py for what the planes mean). A block holds block_size tokens of one
+layer. Sequences own blocks through reference counts: a block forked into two caches
+has count 2 and is copied (copy-on-write) by whichever cache writes into it first; a
+block pinned by a page snapshot likewise cannot change until the snapshot is released.
+
+The free list is LIFO so the layout is deterministic: a fresh pool hands out 0, 1, 2...
+and the most recently freed block is reused first. When the list is empty the arena
+grows by `growth` times, up to `max_blocks`; past that, allocate raises PoolExhausted
+before it changes anything.
+
+Cost of growth: one copy of the arena (mx.concatenate), amortized by doubling.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from engine.errors import PoolExhausted
+from engine.formats import PageSpec
+
+
+class BlockPool:
+    def __init__(self, spec: PageSpec, num_blocks: int = 16, *, max_blocks: int | None = None,
+                 growth: float = 2.0):
+        if num_blocks < 1:
+            raise ValueError("a pool starts with at least one block")
+        if max_blocks is not None and max_blocks < num_blocks:
+            raise ValueError(f"max_blocks {max_blocks} < num_blocks {num_blocks}")
+        if growth <= 1.0:
+            raise ValueError("growth must be > 1")
+        self.spec = spec
+        self.max_blocks = max_blocks
+        self.growth = growth
+        self.planes: dict[str, mx.array] = {
+            name: mx.zeros(self._plane_shape(name, num_blocks), spec.plane_dtypes[name])
+            for name in spec.plane_names
+        }
+        mx.eval(self.planes)
+        self._refs: list[int] = [0] * num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0 first
+
+    def _plane_shape(self, name: str, num_blocks: int) -> tuple[int, int, int, int]:
+        spec = self.spec
+        return (num_blocks, spec.kv_heads, spec.block_size_tokens, spec.plane_widths[name])
+
+    # -- counters (admission reads these) -----------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self._refs)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Free blocks plus the blocks growth may still add."""
+        cap = self.max_blocks if self.max_blocks is not None else math.inf
+        return int(min(cap - self.num_blocks, 2**62)) + self.num_free_blocks
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.spec.block_nbytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole arena, free blocks included."""
+        return self.num_blocks * self.block_nbytes
+
+    @property
+    def used_nbytes(self) -> int:
+        return self.num_used_blocks * self.block_nbytes
+
+    def refcount(self, block: int) -> int:
+        return self._refs[block]
+
+    # -- ownership ----------------------------------------------------------------
+    def allocate(self, count: int) -> list[int]:
+        """`count` blocks, each with reference count 1. All or nothing."""
+        if count <= 0:
+            return []
+        if count > self.num_free_blocks:
+            self._grow(count - self.num_free_blocks)
+        ids = [self._free.pop() for _ in range(count)]
+        for block in ids:
+            assert self._refs[block] == 0, f"block {block} on the free list has {self._refs[block]} refs"
+            self._refs[block] = 1
+        return ids
+
+    def incref(self, blocks: list[int]) -> None:
+        for block in blocks:
+            assert self._refs[block] > 0, f"incref of free block {block}"
+            self._refs[block] += 1
+
+    def decref(self, blocks: list[int]) -> None:
+        """Drop one reference from each block; blocks reaching zero go back on the free
+        list so that the first of them is the next one handed out."""
+        for block in reversed(blocks):
+            assert self._refs[block] > 0, f"decref of free block {block}"
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free.append(block)
+
+    def _grow(self, shortfall: int) -> None:
+        cap = self.max_blocks if self.max_blocks is not None else math.inf
+        old = self.num_blocks
+        if old + shortfall > cap:
+            raise PoolExhausted(
+                f"pool of {old} blocks ({self.num_free_blocks} free, cap {self.max_blocks}) "
+                f"cannot provide {shortfall + self.num_free_blocks} blocks",
+                requested=shortfall + self.num_free_blocks, available=self.num_available_blocks)
+        new = int(min(cap, max(old + shortfall, math.ceil(old * self.growth))))
+        for name in self.spec.plane_names:
+            extra = mx.zeros(self._plane_shape(name, new - old), self.spec.plane_dtypes[name])
+            self.planes[name] = mx.concatenate([self.planes[name], extra], axis=0)
+        mx.eval(self.planes)
+        self._refs.extend([0] * (new - old))
+        # Older free blocks stay on top; the new ones come after them, lowest id first.
+        self._free[:0] = list(range(new - 1, old - 1, -1))
+
+    # -- data ---------------------------------------------------------------------
+    def write(self, block: int, start: int, planes: dict[str, mx.array]) -> None:
+        """Write planes [H, n, width] into token slots [start, start + n) of a block.
+
+        The caller owns the block alone (reference count 1): shared blocks are copied
+        first (see copy_block), which is what keeps forks and snapshots unchanged.
+        """
+        assert self._refs[block] == 1, f"write into block {block} with {self._refs[block]} refs"
+        for name, values in planes.items():
+            stop = start + values.shape[1]
+            self.planes[name][block, :, start:stop, :] = values
+
+    def copy_block(self, source: int, target: int) -> None:
+        """Copy every plane of one block into another (the copy of copy-on-write)."""
+        assert self._refs[target] == 1, f"copy into block {target} with {self._refs[target]} refs"
+        for name in self.spec.plane_names:
+            self.planes[name][target] = self.planes[name][source]

@@ -1,0 +1,57 @@
+"""Factories for tiny random-weight mlx-lm models (no downloads) and their inputs.
+
+Sizes are kept tiny on purpose: CI runs on 2 CPU cores with a slow reference BLAS.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import mlx.core as mx
+import numpy as np
+
+BASE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 97,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 4096,
+}
+
+CONFIGS = {
+    # head_dim 64 (one quantization group per head)
+    "llama": {**BASE, "model_type": "llama", "head_dim": 64},
+    "qwen2": {**BASE, "model_type": "qwen2", "hidden_size": 128},  # head_dim 128 / 4 = 32? see below
+    "qwen3": {**BASE, "model_type": "qwen3", "head_dim": 64},
+    "gemma3_text": {**BASE, "model_type": "gemma3_text", "num_hidden_layers": 4,
+                    "head_dim": 64, "sliding_window": 8, "sliding_window_pattern": 2,
+                    "query_pre_attn_scalar": 64},
+}
+# qwen2 derives head_dim = hidden / heads: 256 / 4 = 64.
+CONFIGS["qwen2"]["hidden_size"] = 256
+
+
+def model_config(model_type: str, **overrides) -> dict:
+    return {**CONFIGS[model_type], **overrides}
+
+
+def tiny_model(model_type: str = "llama", dtype=mx.float32, seed: int = 0, **overrides):
+    """A random-weight mlx-lm model of the given type, weights cast to dtype."""
+    config = model_config(model_type, **overrides)
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    if dtype != mx.float32:
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def prompt_tokens(count: int, vocab: int = 97, seed: int = 1) -> mx.array:
+    rng = np.random.default_rng(seed)
+    return mx.array(rng.integers(0, vocab, size=count), dtype=mx.int32)

@@ -1,0 +1,174 @@
+"""Page formats: byte math against kvstore's LayerSpec, exact bits per value, page
+round trips, and the format identity built from a model config and a KV policy."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import BlockPool, KVPolicy, PagedKVCache, PageSpec, bits_per_value, format_identity
+from engine.errors import FormatMismatch, UnknownPageFormat
+from engine.formats import (
+    FORMATS,
+    blocks_from_pages,
+    page_specs,
+    pages_from_blocks,
+    resolve_format,
+)
+from engine.geometry import model_fingerprint
+from kvstore.format import FormatIdentity
+from tests.engine.factories import model_config, tiny_model
+
+PACKED = ("k8v8", "k8v4", "k4v4")
+
+
+def spec_of(name, heads=2, k_dim=128, v_dim=128, block=16, group=64, seed=None):
+    return PageSpec(FORMATS[name], heads, k_dim, v_dim, block, group, seed)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (128, 64), (256, 256)])
+def test_page_nbytes_equals_kvstore_layer_spec(name, dims):
+    spec = spec_of(name, heads=3, k_dim=dims[0], v_dim=dims[1])
+    layer = spec.layer_spec()
+    for tokens in (1, 7, 16):
+        assert spec.page_nbytes(tokens) == layer.page_nbytes(tokens)
+
+
+@pytest.mark.parametrize("name,bits", [("k4v4", 5), ("k8v4", 7), ("k8v8", 9),
+                                       ("native-bf16", 16), ("native-f32", 32)])
+def test_bits_per_value_exact_from_nbytes(name, bits):
+    spec = spec_of(name, heads=2, k_dim=128, v_dim=128, block=16)
+    assert bits_per_value(spec) == bits
+    # The same from a live cache's nbytes: 3 full blocks of 16 tokens, 2 heads, K+V 256.
+    dtype = spec.format.dtype or mx.bfloat16
+    cache = PagedKVCache(BlockPool(spec, 4))
+    keys = mx.random.normal((1, 2, 48, 128)).astype(dtype)
+    cache.update_and_fetch(keys, keys)
+    values_stored = 48 * 2 * 256
+    assert cache.nbytes * 8 == bits * values_stored
+    # and bf16 / k4v4 is the promised 3.2x
+    if name == "k4v4":
+        assert bits_per_value(spec_of("native-bf16")) / bits_per_value(spec) == pytest.approx(3.2)
+
+
+def test_resolve_native_follows_model_dtype_and_refuses_unknown():
+    assert resolve_format("native", mx.bfloat16).name == "native-bf16"
+    assert resolve_format("native", mx.float16).name == "native-f16"
+    assert resolve_format("native", mx.float32).name == "native-f32"
+    with pytest.raises(UnknownPageFormat):
+        resolve_format("k2v2", mx.float32)
+
+
+def test_rotation_refused_for_native_and_non_power_of_two():
+    with pytest.raises(FormatMismatch):
+        spec_of("native-bf16", seed=0)
+    with pytest.raises(FormatMismatch):
+        spec_of("k4v4", k_dim=192, v_dim=192, seed=0)
+
+
+def _filled_cache(spec, tokens, seed=0):
+    rng = np.random.default_rng(seed)
+    dtype = spec.format.dtype or mx.float16
+    keys = mx.array(rng.standard_normal((1, spec.kv_heads, tokens, spec.k_head_dim)) * 3).astype(dtype)
+    values = mx.array(rng.standard_normal((1, spec.kv_heads, tokens, spec.v_head_dim))).astype(dtype)
+    cache = PagedKVCache(BlockPool(spec, 2))
+    cache.update_and_fetch(keys, values)
+    return cache
+
+
+@settings(max_examples=25, deadline=None)
+@given(name=st.sampled_from(sorted(FORMATS)), tokens=st.integers(1, 70),
+       rotate=st.booleans(), block=st.sampled_from([1, 8, 16]))
+def test_pages_round_trip_byte_for_byte(name, tokens, rotate, block):
+    seed = 7 if rotate and FORMATS[name].packed else None
+    spec = spec_of(name, heads=2, k_dim=64, v_dim=64, block=block, seed=seed)
+    cache = _filled_cache(spec, tokens)
+    pages = pages_from_blocks(spec, cache.pool.planes, list(cache.block_ids), tokens)
+    assert len(pages) == -(-tokens // block)
+    assert [len(p) for p in pages[:-1]] == [spec.page_nbytes(block)] * (len(pages) - 1)
+    assert len(pages[-1]) == spec.page_nbytes(tokens - (len(pages) - 1) * block)
+    planes, count = blocks_from_pages(spec, pages)
+    assert count == tokens
+    restored = PagedKVCache.from_pages(BlockPool(spec, 1), pages)
+    assert restored.offset == tokens
+    again = pages_from_blocks(spec, restored.pool.planes, list(restored.block_ids), tokens)
+    assert again == pages
+    for name_, plane in planes.items():
+        assert plane.shape == (len(pages), 2, block, spec.plane_widths[name_])
+
+
+def test_native_page_layout_is_k_then_v_c_order():
+    spec = spec_of("native-f32", heads=2, k_dim=64, v_dim=64, block=4)
+    keys = mx.arange(2 * 3 * 64, dtype=mx.float32).reshape(1, 2, 3, 64)
+    values = -keys
+    cache = PagedKVCache(BlockPool(spec, 1))
+    cache.update_and_fetch(keys, values)
+    (page,) = cache.snapshot().pages()
+    expected = np.concatenate([np.array(keys[0]).ravel(), np.array(values[0]).ravel()])
+    assert page == expected.astype("<f4").tobytes()
+
+
+def test_blocks_from_pages_refuses_bad_lengths():
+    spec = spec_of("k8v4", heads=2, k_dim=64, v_dim=64, block=4)
+    good = _filled_cache(spec, 6).snapshot().pages()
+    with pytest.raises(FormatMismatch):
+        blocks_from_pages(spec, [good[0][:-1], good[1]])
+    with pytest.raises(FormatMismatch):
+        blocks_from_pages(spec, [good[0], good[1] + b"\0"])
+
+
+# -- identity ---------------------------------------------------------------------------
+def test_identity_from_config_dict_equals_identity_from_model_args():
+    config = model_config("llama")
+    model = tiny_model("llama")
+    policy = KVPolicy(default_format="k8v4", block_size_tokens=16)
+    a = format_identity(config, policy, model_id="m", model_dtype=mx.bfloat16)
+    b = format_identity(model.args, policy, model_id="m", model_dtype=mx.bfloat16)
+    assert a.format_id == b.format_id
+    assert FormatIdentity.from_json(a.canonical()).format_id == a.format_id
+    layer = a.layers[0]
+    assert (layer.kind, layer.page_format, layer.group_size, layer.scale_dtype, layer.rotation) == (
+        "full", "k8v4", 64, "float32", "signed-hadamard:0")
+    assert a.block_size_tokens == 16
+    assert a.layers[0].page_nbytes(16) == page_specs(a)[0].page_nbytes(16)
+
+
+def test_identity_changes_with_every_input_that_changes_page_bytes():
+    config = model_config("llama")
+    base = format_identity(config, KVPolicy(), model_id="m", model_dtype=mx.bfloat16)
+    variants = [
+        format_identity(config, KVPolicy(), model_id="m", model_dtype=mx.float16),
+        format_identity(config, KVPolicy(default_format="k4v4"), model_id="m", model_dtype=mx.bfloat16),
+        format_identity(config, KVPolicy(block_size_tokens=64), model_id="m", model_dtype=mx.bfloat16),
+        format_identity({**config, "rope_theta": 5e5}, KVPolicy(), model_id="m", model_dtype=mx.bfloat16),
+        format_identity(config, KVPolicy(), model_id="other", model_dtype=mx.bfloat16),
+    ]
+    ids = {base.format_id} | {v.format_id for v in variants}
+    assert len(ids) == 1 + len(variants)
+    k4 = variants[1]
+    assert format_identity(config, KVPolicy(default_format="k4v4", rotation="off"), model_id="m",
+                           model_dtype=mx.bfloat16).layers[0].rotation == "none"
+    assert k4.layers[0].rotation == "signed-hadamard:0"
+
+
+def test_weight_quantization_does_not_change_identity_or_precision():
+    config = model_config("llama")
+    quantized = {**config, "quantization": {"group_size": 64, "bits": 4}, "torch_dtype": "bfloat16"}
+    assert model_fingerprint(config) == model_fingerprint(quantized)
+    a = format_identity(quantized, KVPolicy(), model_id="m-4bit", model_dtype=mx.bfloat16)
+    assert a.layers[0].page_format == "native-bf16"
+
+
+def test_gemma3_identity_has_sliding_layers_with_window():
+    config = model_config("gemma3_text")
+    ident = format_identity(config, KVPolicy(default_format="k4v4"), model_id="g",
+                            model_dtype=mx.bfloat16)
+    kinds = [layer.kind for layer in ident.layers]
+    assert kinds == ["sliding", "full", "sliding", "full"]
+    assert ident.layers[0].window == 8 and ident.layers[0].page_format == "native-bf16"
+    assert ident.paged_layers == (1, 3)
+    assert [s is None for s in page_specs(ident)] == [True, False, True, False]
