@@ -1,0 +1,167 @@
+"""Direct paged attention: the host side shared by the CUDA and Metal kernels.
+
+Algorithm (split-K decode, the same on both backends):
+  1. Queries are rotated in float32 when keys are stored rotated, and viewed as grouped
+     rows [B, Hkv, rep*L, D] (a reshape, no copy). Up to ROWS_PER_BLOCK rows share one
+     pass over the pages, so a KV head's pages are read once per row chunk, not per head.
+  2. The visible token span [first_key, max_context) is cut into num_splits equal splits.
+     One thread block per (split, KV head, row chunk, sequence) reads its split's tokens
+     through the block table, straight from the packed (or native) planes: codes are
+     turned into floats in registers, scores use score = scale_g * (q . codes) + offset_g *
+     sum(q) per group, and each lane group keeps an online softmax. The block writes
+     partial (max, sum, output) per row, in the log2 domain.
+  3. A merge kernel combines the splits (and the sink logit, if any) with the
+     log-sum-exp rule and writes [B, Hq, L, Dv] in the queries' dtype.
+
+Served: up to 8 queries, Dk == Dv in {16, 32, 64, 128, 256, 512}, group sizes that are
+multiples of 16, any block size, mask None / "causal", any window. Everything else is
+routed to the partitioned path by kernels/attention.py.
+
+Planes must be row-contiguous arrays (the pool's own arrays, not strided views): the
+kernel launcher would otherwise copy a whole pool plane per call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from kernels.layout import PageLayout
+from kernels.paging import check_shape, first_visible_key
+
+ROWS_PER_BLOCK = 4
+NUM_WARPS = 4
+TARGET_BLOCKS = 132 * 4  # about four resident blocks on each of an H200's 132 SMs
+MIN_SPLIT_TOKENS = 256
+UNROLL = 4  # tokens a lane group loads before reducing (2 for float32 pages: registers)
+
+
+def kernel_supports(layout: PageLayout, k_head_dim: int, v_head_dim: int) -> bool:
+    """True when the custom kernels serve this geometry (else: partitioned)."""
+    if k_head_dim != v_head_dim or k_head_dim % 16 or 32 % (k_head_dim // 16):
+        return False
+    return not layout.packed or layout.group_size % 16 == 0
+
+
+def split_count(batch: int, n_kv_heads: int, row_chunks: int, span_tokens: int) -> int:
+    """Splits per sequence: enough blocks to fill the GPU, at least MIN_SPLIT_TOKENS each."""
+    wanted = math.ceil(TARGET_BLOCKS / max(1, batch * n_kv_heads * row_chunks))
+    return max(1, min(wanted, math.ceil(span_tokens / MIN_SPLIT_TOKENS)))
+
+
+@dataclass
+class LaunchPlan:
+    """Everything cuda.launch / metal.launch need for one call."""
+
+    packed: bool
+    batch: int
+    head_dim: int
+    num_splits: int
+    grid_y: int  # Hkv * row chunks
+    threads: int
+    split_inputs: list
+    split_template: list
+    merge_template: list
+    params: mx.array
+    sinks: mx.array
+    partial_shape: tuple  # (B * Hq * L, num_splits)
+    output_shape: tuple
+    output_dtype: mx.Dtype
+
+
+def plan_launch(
+    queries: mx.array,
+    planes: dict[str, mx.array],
+    block_tables: mx.array,
+    context_lens: list[int],
+    layout: PageLayout,
+    *,
+    scale: float,
+    mask=None,
+    window: int | None = None,
+    sinks: mx.array | None = None,
+) -> LaunchPlan:
+    shape = check_shape(queries, planes, block_tables, context_lens, layout)
+    if not kernel_supports(layout, shape.k_head_dim, shape.v_head_dim):
+        raise ValueError(f"direct kernels do not serve layout {layout} with head dims "
+                         f"{shape.k_head_dim}/{shape.v_head_dim}")
+    rows = shape.rep * shape.num_queries
+    row_chunks = math.ceil(rows / ROWS_PER_BLOCK)
+    first_key = first_visible_key(context_lens, shape.num_queries, window)
+    span = shape.max_context - first_key
+    num_splits = split_count(shape.batch, shape.n_kv_heads, row_chunks, span)
+    split_tokens = math.ceil(span / num_splits)
+    num_splits = math.ceil(span / split_tokens)
+
+    prepared = queries
+    if layout.rotated_keys:
+        from kernels.hadamard import rotate
+
+        prepared = rotate(queries, layout.rotation_seed)
+    params = mx.array(
+        [rows, shape.num_queries, split_tokens, window or 0, first_key, row_chunks], dtype=mx.int32
+    )
+    fparams = mx.array([scale], dtype=mx.float32)
+    lens = mx.array(context_lens, dtype=mx.int32)
+    tables = block_tables.astype(mx.int32)
+    if layout.packed:
+        plane_inputs = [planes[name] for name in
+                        ("k_codes", "k_scales", "k_offsets", "v_codes", "v_scales", "v_offsets")]
+    else:
+        plane_inputs = [planes["k"], planes["v"]]
+    causal = shape.num_queries > 1 and (mask == "causal" or window is not None)
+    unroll = UNROLL if layout.packed or planes["k"].dtype != mx.float32 else max(1, UNROLL // 2)
+    split_template = [
+        ("D", shape.k_head_dim),
+        ("ROWS", ROWS_PER_BLOCK),
+        ("UNROLL", unroll),
+        ("NUM_WARPS", NUM_WARPS),
+        ("BLOCK_SIZE", shape.block_size),
+        ("K_BITS", layout.k_bits),
+        ("V_BITS", layout.v_bits),
+        ("GROUP", layout.group_size),
+        ("CAUSAL", causal),
+        ("WINDOWED", window is not None),
+    ]
+    has_sinks = sinks is not None
+    merge_template = [("D", shape.v_head_dim), ("HAS_SINKS", has_sinks), ("OutT", queries.dtype)]
+    return LaunchPlan(
+        packed=layout.packed,
+        batch=shape.batch,
+        head_dim=shape.k_head_dim,
+        num_splits=num_splits,
+        grid_y=shape.n_kv_heads * row_chunks,
+        threads=NUM_WARPS * 32,
+        split_inputs=[prepared, *plane_inputs, tables, lens, params, fparams],
+        split_template=split_template,
+        merge_template=merge_template,
+        params=params,
+        sinks=sinks.astype(mx.float32) if has_sinks else mx.zeros((1,), dtype=mx.float32),
+        partial_shape=(shape.batch * shape.n_q_heads * shape.num_queries, num_splits),
+        output_shape=(shape.batch, shape.n_q_heads, shape.num_queries, shape.v_head_dim),
+        output_dtype=queries.dtype,
+    )
+
+
+def direct_attention(
+    backend: str,
+    queries: mx.array,
+    planes: dict[str, mx.array],
+    block_tables: mx.array,
+    context_lens: list[int],
+    layout: PageLayout,
+    **options,
+) -> mx.array:
+    """Run the custom kernel of `backend` ("cuda" or "metal"); see the module docstring."""
+    plan = plan_launch(queries, planes, block_tables, context_lens, layout, **options)
+    if backend == "cuda":
+        from kernels import cuda
+
+        return cuda.launch(plan)
+    if backend == "metal":
+        from kernels import metal
+
+        return metal.launch(plan)
+    raise ValueError(f"no direct kernel for backend {backend!r}")

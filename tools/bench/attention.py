@@ -1,0 +1,222 @@
+"""Decode attention benchmark: paged (native and packed) pages against dense and mlx-lm peers.
+
+Usage:
+  python -m tools.bench.attention              # 4K/32K/128K, batch 1 and 8 (GPU sizes)
+  python -m tools.bench.attention --quick      # fewer sizes and repeats
+  python -m tools.bench.attention --contexts 4096,32768 --batches 1 --repeats 5
+
+Shape: 32 query heads, 8 KV heads, head dim 128, one query (decode), bf16 model dtype.
+Measured in one run, per (batch, context):
+  dense        mx.fast.scaled_dot_product_attention over contiguous bf16 K/V
+  mlx-lm q4    mlx_lm.models.base.quantized_scaled_dot_product_attention, mx.quantize'd 4-bit K/V
+  reference    paged_attention(impl="reference") per page format (gather, dequantize, SDPA)
+  direct       paged_attention with the direct path per page format (cuda/metal kernel on a
+               GPU, the partitioned MLX-ops path on the CPU)
+Times are medians over repeats; each sample evaluates --inner independent calls and divides.
+GB/s counts the page bytes one call must read (K/V planes of the visible tokens); "% copy"
+compares it with an elementwise copy measured in the same run (bytes read + written).
+On the CPU the default contexts are scaled down (see the printed note).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from kernels.attention import default_impl, paged_attention
+from kernels.hadamard import rotate
+from kernels.layout import PageLayout
+from kernels.quant import quantize
+
+N_Q_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
+FORMATS = {
+    "native": PageLayout(),
+    "k8v8": PageLayout(8, 8, rotation_seed=1),
+    "k8v4": PageLayout(8, 4, rotation_seed=1),
+    "k4v4": PageLayout(4, 4, rotation_seed=1),
+}
+
+
+def load_mlx_lm_quantized_sdpa():
+    """mlx_lm.models.base.quantized_scaled_dot_product_attention, loaded from its file so the
+    package __init__ (which pulls in transformers) is not needed."""
+    spec = importlib.util.find_spec("mlx_lm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "models" / "base.py"
+    module_spec = importlib.util.spec_from_file_location("_mlx_lm_base", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.quantized_scaled_dot_product_attention
+
+
+def timed(fn, repeats: int, inner: int) -> float:
+    """Median seconds per call of fn() (each sample evaluates `inner` calls together)."""
+    for _ in range(2):
+        mx.eval([fn() for _ in range(inner)])
+    mx.synchronize()
+    samples = []
+    for _ in range(repeats):
+        mx.synchronize()
+        start = time.perf_counter()
+        mx.eval([fn() for _ in range(inner)])
+        mx.synchronize()
+        samples.append((time.perf_counter() - start) / inner)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(nbytes: int, repeats: int) -> float:
+    """Bytes per second of an elementwise copy (counting read + write)."""
+    x = mx.random.uniform(shape=(nbytes // 4,))
+    mx.eval(x)
+    seconds = timed(lambda: x * 1.5, repeats, 1)
+    return 2 * nbytes / seconds
+
+
+def page_nbytes_per_token(layout: PageLayout, dtype_nbytes: int = 2) -> int:
+    """Bytes of K and V pages one token of one KV head occupies."""
+    if not layout.packed:
+        return 2 * HEAD_DIM * dtype_nbytes
+    groups = HEAD_DIM // layout.group_size
+    return HEAD_DIM * (layout.k_bits + layout.v_bits) // 8 + 2 * groups * 8
+
+
+def build_pages(keys: mx.array, values: mx.array, layout: PageLayout, block_size: int, seed: int):
+    """keys/values [B, Hkv, T, D] bf16 -> (planes, shuffled block table)."""
+    batch, heads, tokens, dim = keys.shape
+    per_seq = math.ceil(tokens / block_size)
+    pad = per_seq * block_size - tokens
+    if pad:
+        widen = [(0, 0), (0, 0), (0, pad), (0, 0)]
+        keys, values = mx.pad(keys, widen), mx.pad(values, widen)
+
+    def blocked(x):  # [B, H, per_seq*bs, W] -> [B*per_seq, H, bs, W]
+        x = x.reshape(batch, heads, per_seq, block_size, x.shape[-1]).transpose(0, 2, 1, 3, 4)
+        return x.reshape(batch * per_seq, heads, block_size, x.shape[-1])
+
+    # block i of the flattened history lives at pool block order[i]
+    order = mx.random.permutation(batch * per_seq, key=mx.random.key(seed)).astype(mx.int32)
+    inverse = mx.argsort(order)
+    if layout.packed:
+        k_in = rotate(keys, layout.rotation_seed) if layout.rotated_keys else keys
+        planes = {}
+        for half, x, bits in (("k", k_in, layout.k_bits), ("v", values, layout.v_bits)):
+            for name, part in zip(("codes", "scales", "offsets"), quantize(x, bits, layout.group_size)):
+                planes[f"{half}_{name}"] = blocked(part)[inverse]
+    else:
+        planes = {"k": blocked(keys)[inverse], "v": blocked(values)[inverse]}
+    tables = order.reshape(batch, per_seq)
+    mx.eval(planes, tables)
+    return planes, tables
+
+
+def bench_case(batch, tokens, args, direct_impl, quantized_sdpa, rows, copy_bps):
+    scale = HEAD_DIM**-0.5
+    mx.random.seed(tokens + batch)
+    keys = mx.random.normal((batch, N_KV_HEADS, tokens, HEAD_DIM)).astype(mx.bfloat16)
+    values = mx.random.normal((batch, N_KV_HEADS, tokens, HEAD_DIM)).astype(mx.bfloat16)
+    queries = mx.random.normal((batch, N_Q_HEADS, 1, HEAD_DIM)).astype(mx.bfloat16)
+    mx.eval(keys, values, queries)
+
+    def add(method, fmt, seconds, page_bytes):
+        rows.append(dict(batch=batch, context=tokens, method=method, format=fmt,
+                         us=seconds * 1e6, page_bytes=page_bytes,
+                         gbps=page_bytes / seconds / 1e9 if page_bytes else None,
+                         copy_fraction=page_bytes / seconds / copy_bps if page_bytes else None))
+        print(f"  B={batch} T={tokens} {method:<10} {fmt:<7} {seconds * 1e6:10.1f} us", flush=True)
+
+    dense_bytes = batch * tokens * N_KV_HEADS * page_nbytes_per_token(PageLayout())
+    add("dense", "bf16", timed(lambda: mx.fast.scaled_dot_product_attention(
+        queries, keys, values, scale=scale), args.repeats, args.inner), dense_bytes)
+    if quantized_sdpa is not None:
+        q_keys = mx.quantize(keys, group_size=64, bits=4)
+        q_values = mx.quantize(values, group_size=64, bits=4)
+        mx.eval(q_keys, q_values)
+        q4_bytes = sum(x.nbytes for x in (*q_keys, *q_values))
+        add("mlx-lm", "q4", timed(lambda: quantized_sdpa(
+            queries, q_keys, q_values, scale=scale, mask=None, group_size=64, bits=4),
+            args.repeats, args.inner), q4_bytes)
+        del q_keys, q_values
+    for fmt in args.formats:
+        layout = FORMATS[fmt]
+        planes, tables = build_pages(keys, values, layout, args.block_size, seed=tokens)
+        page_bytes = batch * tokens * N_KV_HEADS * page_nbytes_per_token(layout)
+        lens = [tokens] * batch
+        for method, impl in (("reference", "reference"), ("direct", direct_impl)):
+            if method == "reference" and args.skip_reference:
+                continue
+            seconds = timed(lambda: paged_attention(
+                queries, planes, tables, lens, layout, scale=scale, impl=impl,
+                partition_tokens=args.partition_tokens), args.repeats, args.inner)
+            add(method if method == "reference" else f"direct:{impl}", fmt, seconds, page_bytes)
+        del planes, tables
+
+
+def print_table(rows, copy_bps):
+    print(f"\nmemory copy bandwidth (read + write): {copy_bps / 1e9:.1f} GB/s\n")
+    print("| batch | context | method | format | time (us) | vs dense | page GB/s | % of copy |")
+    print("|---|---|---|---|---|---|---|---|")
+    dense = {(r["batch"], r["context"]): r["us"] for r in rows if r["method"] == "dense"}
+    for r in rows:
+        ratio = dense[(r["batch"], r["context"])] / r["us"]
+        gbps = f"{r['gbps']:.0f}" if r["gbps"] else "-"
+        frac = f"{100 * r['copy_fraction']:.0f}%" if r["copy_fraction"] else "-"
+        print(f"| {r['batch']} | {r['context']} | {r['method']} | {r['format']} | "
+              f"{r['us']:.1f} | {ratio:.2f}x | {gbps} | {frac} |")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    parser.add_argument("--contexts", help="comma-separated context lengths")
+    parser.add_argument("--batches", help="comma-separated batch sizes")
+    parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--inner", type=int)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--partition-tokens", type=int, default=1024)
+    parser.add_argument("--impl", help="direct implementation (default: dispatch)")
+    parser.add_argument("--skip-reference", action="store_true")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+
+    on_gpu = mx.default_device() == mx.gpu
+    direct_impl = args.impl or default_impl()
+    if args.contexts:
+        contexts = [int(x) for x in args.contexts.split(",")]
+    elif on_gpu:
+        contexts = [4096, 32768, 131072]
+    else:
+        contexts = [4096, 32768] if args.quick else [4096, 16384, 32768]
+        print("note: CPU run; contexts scaled down from 4K/32K/128K to "
+              f"{'/'.join(str(c) for c in contexts)} (the CPU target is 32K)")
+    batches = [int(x) for x in args.batches.split(",")] if args.batches else (
+        [1] if args.quick or not on_gpu else [1, 8])
+    args.formats = args.formats.split(",")
+    args.repeats = args.repeats or (5 if args.quick else 11 if on_gpu else 5)
+    args.inner = args.inner or (10 if on_gpu else 1)
+
+    copy_bps = copy_bandwidth((1 << 30) if on_gpu else (1 << 28), args.repeats)
+    quantized_sdpa = load_mlx_lm_quantized_sdpa()
+    print(f"device {mx.default_device()}, direct impl {direct_impl}, block size {args.block_size}, "
+          f"{N_Q_HEADS} q heads / {N_KV_HEADS} kv heads / head dim {HEAD_DIM}, decode (L=1)")
+    rows: list[dict] = []
+    for batch in batches:
+        for tokens in contexts:
+            bench_case(batch, tokens, args, direct_impl, quantized_sdpa, rows, copy_bps)
+    print_table(rows, copy_bps)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(copy_bps=copy_bps, rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
