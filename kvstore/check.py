@@ -19,7 +19,13 @@ from dataclasses import asdict, dataclass, field
 
 from kvstore.errors import InvalidInput
 from kvstore.ids import ROOT_KEY
-from kvstore.pages import HEADER_NBYTES, PageHeader, decode_stored, verify_stored
+from kvstore.pages import (
+    PageHeader,
+    accounted_nbytes,
+    decode_stored,
+    trusted_header,
+    verify_stored,
+)
 from kvstore.records import BlockRecord, Checkpoint
 from kvstore.store import COUNTERS, U64, Store, _get_u64, hash_page
 
@@ -87,15 +93,14 @@ def check_store(store: Store, read_data: bool = False, subset: tuple[int, int] |
             for key, value in cur:
                 digest = bytes(key)
                 report.pages_checked += 1
-                try:
-                    header = PageHeader.unpack(value)
-                except ValueError as exc:
-                    report.add("page_damaged", digest.hex(), str(exc))
-                    continue
-                page_raw[digest] = header.raw_nbytes
-                raw_total += header.raw_nbytes
-                stored_total += HEADER_NBYTES + header.stored_nbytes
-                if read_data and (subset is None or digest[0] % subset[1] == subset[0]):
+                # counted as written even when damaged: counters stay comparable
+                raw_nbytes, stored_nbytes = accounted_nbytes(value)
+                page_raw[digest] = raw_nbytes
+                raw_total += raw_nbytes
+                stored_total += stored_nbytes
+                if trusted_header(value) is None:
+                    report.add("page_damaged", digest.hex(), _header_damage(value))
+                elif read_data and (subset is None or digest[0] % subset[1] == subset[0]):
                     _verify_page(report, digest, value)
                 if progress:
                     progress(1, len(value))
@@ -200,3 +205,11 @@ def _verify_page(report: CheckReport, digest: bytes, value) -> None:
         return
     if hash_page(raw) != digest:
         report.add("page_damaged", digest.hex(), "blake3 of the raw bytes is not the page's name")
+
+
+def _header_damage(value) -> str:
+    try:
+        header = PageHeader.unpack(value)
+    except ValueError as exc:
+        return f"header: {exc}"
+

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from kvstore import faults
 from kvstore.errors import GCAborted, InvalidInput
-from kvstore.pages import HEADER_NBYTES, PageHeader
+from kvstore.pages import accounted_nbytes
 from kvstore.store import Store, _delete_page, _get_u64
 
 BATCH = 256
@@ -150,7 +150,7 @@ def plan_gc(store: Store, grace_s: float = 3600.0) -> GCPlan:
                 stamp = _get_u64(txn, dbs["page_times"], key)
                 if stamp > cutoff_ns:
                     continue
-                stored = HEADER_NBYTES + PageHeader.unpack(value).stored_nbytes
+                stored = accounted_nbytes(value)[1]
                 plan.pages.append(GCCandidate(bytes(key), stored, (planned_ns - stamp) / 1e9))
         with txn.cursor(db=dbs["quarantine"]) as cur:
             plan.quarantined = [bytes(k) for k in cur.iternext(values=False)]

@@ -3,11 +3,11 @@
     offset size field
     0      4    magic b"KVP1"
     4      1    codec: 0 raw, 1 zstd
-    5      3    reserved, zero
+    5      3    reserved, zero (checked)
     8      8    raw_nbytes     u64be, length of the canonical uncompressed bytes
     16     8    stored_nbytes  u64be, length of what follows the header
     24     16   xxh3-128 of the stored bytes (big-endian digest as xxhash prints it)
-    40     8    reserved, zero
+    40     8    reserved, zero (checked)
     48     ...  stored bytes
 
 The page's name stays blake3 of the raw bytes; the xxh3-128 lets every read verify
@@ -30,7 +30,7 @@ import zstandard
 from kvstore.errors import InvalidInput
 
 MAGIC = b"KVP1"
-HEADER = struct.Struct(">4sB3xQQ16s8x")
+HEADER = struct.Struct(">4sB3sQQ16s8s")
 HEADER_NBYTES = HEADER.size
 assert HEADER_NBYTES == 48
 CODEC_RAW = 0
@@ -48,17 +48,25 @@ class PageHeader:
     xxh3: bytes
 
     def pack(self) -> bytes:
-        return HEADER.pack(MAGIC, self.codec, self.raw_nbytes, self.stored_nbytes, self.xxh3)
+        return HEADER.pack(MAGIC, self.codec, bytes(3), self.raw_nbytes, self.stored_nbytes,
+                           self.xxh3, bytes(8))
 
     @classmethod
     def unpack(cls, value) -> "PageHeader":
+        """Parse a header. Every bit of it is meaningful: reserved bytes must be zero and
+        a raw page's two lengths must agree, so one flipped bit anywhere in the header
+        is refused here or by the length and xxh3 checks in verify_stored."""
         if len(value) < HEADER_NBYTES:
             raise ValueError(f"page record of {len(value)} bytes is shorter than its header")
-        magic, codec, raw, stored, xxh = HEADER.unpack_from(value)
+        magic, codec, reserved_a, raw, stored, xxh, reserved_b = HEADER.unpack_from(value)
         if magic != MAGIC:
             raise ValueError(f"bad page magic {bytes(magic)!r}")
         if codec not in CODEC_NAMES:
             raise ValueError(f"unknown page codec {codec}")
+        if any(reserved_a) or any(reserved_b):
+            raise ValueError("reserved header bytes are not zero")
+        if codec == CODEC_RAW and raw != stored:
+            raise ValueError(f"raw page with raw_nbytes {raw} != stored_nbytes {stored}")
         return cls(codec, raw, stored, bytes(xxh))
 
 
@@ -109,11 +117,56 @@ def verify_stored(value) -> tuple[PageHeader, memoryview]:
     return header, body
 
 
+def trusted_header(value) -> PageHeader | None:
+    """The header of a page record when it parses and its stored length matches the
+    record; None when the header itself is damaged (its byte counts cannot be used)."""
+    try:
+        header = PageHeader.unpack(value)
+    except ValueError:
+        return None
+    return header if len(value) - HEADER_NBYTES == header.stored_nbytes else None
+
+
+def accounted_nbytes(value) -> tuple[int, int]:
+    """(raw, stored) byte counts a page record was written with, where the store's byte
+    counters count it. Recovered also when one field of the record is damaged, so the
+    counters stay exact through quarantine, GC and check: the stored count is the
+    record's length; a zstd frame names its own content size, a raw body is its size."""
+    stored = len(value)
+    body = memoryview(value)[HEADER_NBYTES:]
+    header = trusted_header(value)
+    if header is not None and header.codec == CODEC_RAW:
+        return header.raw_nbytes, stored
+    content = _zstd_content_size(body)
+    if header is not None:
+        # A zstd page: header and frame agree unless one was damaged; the xxh3 of the
+        # body says which (an intact body means the frame's size is the true one).
+        if (content is None or content == header.raw_nbytes
+                or xxhash.xxh3_128_digest(body) != header.xxh3):
+            return header.raw_nbytes, stored
+        return content, stored
+    return (content if content is not None else len(body)), stored
+
+
+def _zstd_content_size(body) -> int | None:
+    if len(body) < 4 or bytes(body[:4]) != b"\x28\xb5\x2f\xfd":
+        return None
+    try:
+        size = zstandard.frame_content_size(bytes(body[:18]))
+    except zstandard.ZstdError:
+        return None
+    return size if size >= 0 else None
+
+
 def decode_stored(header: PageHeader, body) -> memoryview | bytes:
-    """Stored bytes -> raw bytes (a view of body itself when raw)."""
+    """Stored bytes -> raw bytes (a view of body itself when raw). Raises ValueError for
+    any damage, including a broken zstd frame."""
     if header.codec == CODEC_RAW:
         return body
-    raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=header.raw_nbytes)
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=header.raw_nbytes)
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"zstd frame does not decode: {exc}") from None
     if len(raw) != header.raw_nbytes:
         raise ValueError(f"zstd frame gave {len(raw)} bytes, header says {header.raw_nbytes}")
     return raw

@@ -48,6 +48,7 @@ from kvstore.pages import (
     HEADER_NBYTES,
     Compression,
     PageHeader,
+    accounted_nbytes,
     decode_stored,
     encode_page,
     verify_stored,
@@ -358,7 +359,7 @@ class Store:
                 value = txn.get(d, db=self._lmdb.dbs["pages"])
                 if value is None:
                     self._raise_absent(txn, d)
-                out.append(PageHeader.unpack(value).raw_nbytes)
+                out.append(accounted_nbytes(value)[0])
         return out
 
     def _raise_absent(self, txn, d: PageDigest):
@@ -374,7 +375,7 @@ class Store:
                     continue
                 txn.put(d, value, db=dbs["quarantine"])
                 refs = _get_u64(txn, dbs["refs"], d)
-                _counter(txn, dbs, "referenced_raw_nbytes", -refs * PageHeader.unpack(value).raw_nbytes)
+                _counter(txn, dbs, "referenced_raw_nbytes", -refs * accounted_nbytes(value)[0])
                 _delete_page(txn, dbs, d)
         if not self._lmdb.readonly:
             self._lmdb.write(move, what="quarantining damaged pages")
@@ -426,7 +427,7 @@ class Store:
                         missing_pages.append(f"page {d.hex()}")
                         continue
                     want = fmt.layers[layer_index].page_nbytes(len(b.tokens))
-                    got = PageHeader.unpack(value).raw_nbytes
+                    got = accounted_nbytes(value)[0]
                     if got != want:
                         raise InvalidInput(
                             f"block {b.key.short} layer {layer_index}: page {d.short} holds {got} "
@@ -686,9 +687,9 @@ def _write_pages(txn, dbs, encoded) -> tuple[int, int, int]:
 
 
 def _forget_page_bytes(txn, dbs, value) -> None:
-    header = PageHeader.unpack(value)
-    _counter(txn, dbs, "raw_nbytes", -header.raw_nbytes)
-    _counter(txn, dbs, "stored_nbytes", -(HEADER_NBYTES + header.stored_nbytes))
+    raw_nbytes, stored_nbytes = accounted_nbytes(value)
+    _counter(txn, dbs, "raw_nbytes", -raw_nbytes)
+    _counter(txn, dbs, "stored_nbytes", -stored_nbytes)
 
 
 def _delete_page(txn, dbs, digest: bytes) -> int:
@@ -704,7 +705,7 @@ def _delete_page(txn, dbs, digest: bytes) -> int:
 
 def _raw_nbytes_of(txn, dbs, digest: bytes) -> int:
     value = txn.get(digest, db=dbs["pages"])
-    return PageHeader.unpack(value).raw_nbytes if value is not None else 0
+    return accounted_nbytes(value)[0] if value is not None else 0
 
 
 def _add_ref(txn, dbs, digest: bytes, delta: int) -> int:
