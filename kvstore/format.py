@@ -104,7 +104,8 @@ class FormatIdentity:
     _id: bytes = field(default=b"", init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if not isinstance(self.schema_version, int) or self.schema_version > SCHEMA_VERSION:
+        if (not isinstance(self.schema_version, int) or isinstance(self.schema_version, bool)
+                or self.schema_version > SCHEMA_VERSION):
             raise UnsupportedVersion(
                 f"format schema version {self.schema_version!r} is newer than this code "
                 f"supports ({SCHEMA_VERSION}); upgrade mlx-kvstore to read it"
@@ -114,7 +115,8 @@ class FormatIdentity:
             value = getattr(self, name)
             _require(isinstance(value, str) and len(value) <= MAX_FIELD_CHARS,
                      f"{name} must be a string of at most {MAX_FIELD_CHARS} characters")
-        _require(isinstance(self.block_size_tokens, int) and 1 <= self.block_size_tokens <= 65536,
+        _require(isinstance(self.block_size_tokens, int) and not isinstance(self.block_size_tokens, bool)
+                 and 1 <= self.block_size_tokens <= 65536,
                  "block_size_tokens must be an integer in [1, 65536]")
         layers = tuple(self.layers)
         _require(1 <= len(layers) <= MAX_LAYERS, f"a format has 1..{MAX_LAYERS} layers, got {len(layers)}")
