@@ -125,16 +125,27 @@ class LmdbEnv:
                 readahead=False, writemap=False,
             )
             env.reader_check()
-            dbs = {}
-            if self.readonly:
-                with env.begin() as txn:
-                    for name in DATABASES:
-                        dbs[name] = env.open_db(name.encode(), txn=txn, create=False)
-            else:
-                with env.begin(write=True) as txn:
-                    for name in DATABASES:
-                        dbs[name] = env.open_db(name.encode(), txn=txn, create=True)
+            dbs = self._open_databases(env)
             self._env, self._dbs, self._pid = env, dbs, os.getpid()
+
+    def _open_databases(self, env) -> dict:
+        """Open (or create) every named database. Another process may have grown the map
+        since lmdb.open (MapResizedError: adopt its size), and creating the databases in
+        a tiny map may need it grown (MapFullError): both retry, as write() does."""
+        for _ in range(16):
+            try:
+                with env.begin(write=not self.readonly) as txn:
+                    return {name: env.open_db(name.encode(), txn=txn, create=not self.readonly)
+                            for name in DATABASES}
+            except lmdb.MapResizedError:
+                env.set_mapsize(0)
+            except lmdb.MapFullError:
+                current = env.info()["map_size"]
+                if current >= self.max_map_nbytes:
+                    raise StoreFull(f"creating the databases needs more than the map limit of "
+                                    f"{self.max_map_nbytes} bytes") from None
+                env.set_mapsize(min(max(current * 2, 1 << 20), self.max_map_nbytes))
+        raise StoreIOError(f"could not open the databases of {self.path}: the map kept changing")
 
     def close(self):
         with self._open_lock:
