@@ -212,4 +212,4 @@ def _header_damage(value) -> str:
         header = PageHeader.unpack(value)
     except ValueError as exc:
         return f"header: {exc}"
-
+    return f"record of {len(value)} bytes does not hold the header's {header.stored_nbytes} stored bytes"
