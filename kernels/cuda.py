@@ -23,51 +23,62 @@ from kernels import direct
 HEADER = r"""
 #define KV_NEG_INF (-cuda::std::numeric_limits<float>::infinity())
 
-template <typename T>
-__device__ __forceinline__ void kv_load16(const T* __restrict__ src, float* dst) {
-  constexpr int WORDS = 16 * sizeof(T) / 16;
+// N consecutive elements of a native dtype -> floats (N * sizeof(T) is a multiple of 16).
+template <int N, typename T>
+__device__ __forceinline__ void kv_native(const T* __restrict__ src, float* dst) {
+  constexpr int WORDS = N * sizeof(T) / 16;
   uint4 raw[WORDS];
   const uint4* s = reinterpret_cast<const uint4*>(src);
 #pragma unroll
   for (int i = 0; i < WORDS; ++i) raw[i] = __ldg(s + i);
   const T* vals = reinterpret_cast<const T*>(raw);
 #pragma unroll
-  for (int i = 0; i < 16; ++i) dst[i] = static_cast<float>(vals[i]);
+  for (int i = 0; i < N; ++i) dst[i] = static_cast<float>(vals[i]);
 }
 
-// 16 codes of BITS bits (element 2j in the low nibble of byte j for 4 bits) -> floats.
-template <int BITS>
-__device__ __forceinline__ void kv_codes16(const uint8_t* __restrict__ src, float* dst) {
-  if constexpr (BITS == 8) {
-    uint4 raw = __ldg(reinterpret_cast<const uint4*>(src));
-    unsigned int w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int i = 0; i < 16; ++i) dst[i] = static_cast<float>((w[i / 4] >> (8 * (i % 4))) & 0xFFu);
-  } else {
-    uint2 raw = __ldg(reinterpret_cast<const uint2*>(src));
-    unsigned int w[2] = {raw.x, raw.y};
-#pragma unroll
-    for (int i = 0; i < 16; ++i) dst[i] = static_cast<float>((w[i / 8] >> (4 * (i % 8))) & 0xFu);
+// Raw codes of N elements of BITS bits: N * BITS / 32 words (element 2j in the low nibble
+// of byte j for 4 bits, so nibble i of a word is element i).
+template <int N, int BITS>
+struct KvCodes {
+  static constexpr int WORDS = N * BITS / 32;
+  unsigned int w[WORDS];
+  __device__ __forceinline__ void load(const uint8_t* __restrict__ src) {
+    if constexpr (WORDS == 4) {
+      uint4 r = __ldg(reinterpret_cast<const uint4*>(src)); w[0] = r.x; w[1] = r.y; w[2] = r.z; w[3] = r.w;
+    } else if constexpr (WORDS == 2) {
+      uint2 r = __ldg(reinterpret_cast<const uint2*>(src)); w[0] = r.x; w[1] = r.y;
+    } else {
+      w[0] = __ldg(reinterpret_cast<const unsigned int*>(src));
+    }
   }
-}
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int i = 0; i < WORDS; ++i) w[i] = 0u;
+  }
+  __device__ __forceinline__ float operator[](int i) const {
+    constexpr int PER = 32 / BITS;
+    return static_cast<float>((w[i / PER] >> (BITS * (i % PER))) & ((1u << BITS) - 1u));
+  }
+};
 """
 
-# The split kernel body. {load_k} / {load_v} fill kv[16] (values) for token row `at`
-# (flat index into the [blocks, Hkv, block_size] token rows) and set k_scale/k_offset.
+# The split kernel body. Per-call scalars arrive in one int32 array `meta` (one host->device
+# transfer per call): rows, L, split_tokens, window, first_key, row_chunks, scale (float
+# bits), then the B context lengths.
 SPLIT_BODY = r"""
-  constexpr int GW = D / 16;             // lanes per lane group
+  constexpr int GW = D / DPL;            // lanes per lane group
   constexpr int GPW = 32 / GW;           // lane groups per warp
   constexpr int WARP_TOKENS = GPW * UNROLL;
   constexpr int NGROUPS = NUM_WARPS * GPW;
   constexpr float LOG2E = 1.4426950408889634f;
 
-  const int rows_total = params[0];
-  const int num_queries = params[1];
-  const int split_tokens = params[2];
-  const int window = params[3];
-  const int first_key = params[4];
-  const int row_chunks = params[5];
-  const float qscale = fparams[0] * LOG2E;
+  const int rows_total = meta[0];
+  const int num_queries = meta[1];
+  const int split_tokens = meta[2];
+  const int window = meta[3];
+  const int first_key = meta[4];
+  const int row_chunks = meta[5];
+  float qscale = __int_as_float(meta[6]) * LOG2E;
 
   const int split = blockIdx.x;
   const int num_splits = gridDim.x;
@@ -82,66 +93,80 @@ SPLIT_BODY = r"""
   const int sub = lane % GW;
   const int group = warp * GPW + lane / GW;
 
-  const int context = lens[batch];
+  const int context = meta[7 + batch];
   const int start = first_key + split * split_tokens;
   const int stop = min(context, start + split_tokens);
 
-  // queries of this block's rows, this lane's 16 dims, in the log2 domain
-  float q[ROWS][16];
+  // queries of this block's rows, this lane's DPL dims, rotated if ROTATE, log2 domain
+  float q[ROWS][DPL];
   float q_sum[ROWS];
   int q_pos[ROWS];
   const int row0 = chunk * ROWS;
+  if (ROTATE) qscale *= rsqrtf((float)D);
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) {
     const int r = row0 + i;
-    q_sum[i] = 0.f;
     q_pos[i] = context - num_queries + (r % num_queries);
-    if (r < rows_total) {
-      kv_load16(queries + ((size_t)(batch * num_kv_heads + head) * rows_total + r) * D + sub * 16, q[i]);
-    } else {
+    const size_t at = ((size_t)(batch * num_kv_heads + head) * rows_total + r) * D + sub * DPL;
 #pragma unroll
-      for (int d = 0; d < 16; ++d) q[i][d] = 0.f;
+    for (int d = 0; d < DPL; ++d) q[i][d] = (r < rows_total) ? static_cast<float>(queries[at + d]) : 0.f;
+    if (ROTATE) {
+      // x @ diag(s) @ H: signs, then a fast Walsh-Hadamard transform (in registers for
+      // strides < DPL, across the lane group with shuffles above)
+#pragma unroll
+      for (int d = 0; d < DPL; ++d) q[i][d] *= signs[sub * DPL + d];
+#pragma unroll
+      for (int h = 1; h < DPL; h <<= 1)
+#pragma unroll
+        for (int d = 0; d < DPL; ++d)
+          if ((d & h) == 0) { const float a = q[i][d], b = q[i][d + h]; q[i][d] = a + b; q[i][d + h] = a - b; }
+#pragma unroll
+      for (int h = 1; h < GW; h <<= 1)
+#pragma unroll
+        for (int d = 0; d < DPL; ++d) {
+          const float other = __shfl_xor_sync(0xffffffffu, q[i][d], h);
+          q[i][d] = (sub & h) ? other - q[i][d] : q[i][d] + other;
+        }
     }
+    q_sum[i] = 0.f;
 #pragma unroll
-    for (int d = 0; d < 16; ++d) { q[i][d] *= qscale; q_sum[i] += q[i][d]; }
+    for (int d = 0; d < DPL; ++d) { q[i][d] *= qscale; q_sum[i] += q[i][d]; }
   }
 
-  float m[ROWS], l[ROWS], acc[ROWS][16];
+  float m[ROWS], l[ROWS], acc[ROWS][DPL];
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) {
     m[i] = KV_NEG_INF; l[i] = 0.f;
 #pragma unroll
-    for (int d = 0; d < 16; ++d) acc[i][d] = 0.f;
+    for (int d = 0; d < DPL; ++d) acc[i][d] = 0.f;
   }
 
   for (int base = start + warp * WARP_TOKENS; base < stop; base += NUM_WARPS * WARP_TOKENS) {
     const int t0 = base + (lane / GW) * UNROLL;
     float s[UNROLL][ROWS];
-    size_t at[UNROLL];
     bool live[UNROLL];
+    {declare_raw}
+    // issue every load of the UNROLL tokens (K, V and their scales) before any math
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int j = t0 + u;
       live[u] = j < stop;
-      const int block = live[u] ? block_tables[batch * table_width + j / BLOCK_SIZE] : 0;
-      at[u] = ((size_t)block * num_kv_heads + head) * BLOCK_SIZE + (j % BLOCK_SIZE);
+      if (live[u]) {
+        const int block = block_tables[batch * table_width + j / BLOCK_SIZE];
+        const size_t at = ((size_t)block * num_kv_heads + head) * BLOCK_SIZE + (j % BLOCK_SIZE);
+        {load_raw}
+      } else {
+        {clear_raw}
+      }
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      float kv[16];
-      float k_scale = 1.f, k_offset = 0.f;
-      if (live[u]) {
-        {load_k}
-      } else {
-#pragma unroll
-        for (int d = 0; d < 16; ++d) kv[d] = 0.f;
-      }
 #pragma unroll
       for (int i = 0; i < ROWS; ++i) {
         float dot = 0.f;
 #pragma unroll
-        for (int d = 0; d < 16; ++d) dot = fmaf(q[i][d], kv[d], dot);
-        s[u][i] = fmaf(k_scale, dot, k_offset * q_sum[i]);
+        for (int d = 0; d < DPL; ++d) dot = fmaf(q[i][d], {k_elem}, dot);
+        s[u][i] = {k_score};
       }
     }
     // reduce the partial dots over the lane group
@@ -164,12 +189,16 @@ SPLIT_BODY = r"""
         s[u][i] = visible ? s[u][i] : KV_NEG_INF;
         chunk_max = fmaxf(chunk_max, s[u][i]);
       }
-      if (chunk_max == KV_NEG_INF) continue;
+      if (chunk_max == KV_NEG_INF) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) s[u][i] = 0.f;
+        continue;
+      }
       const float correction = exp2f(m[i] - chunk_max);
       m[i] = chunk_max;
       l[i] *= correction;
 #pragma unroll
-      for (int d = 0; d < 16; ++d) acc[i][d] *= correction;
+      for (int d = 0; d < DPL; ++d) acc[i][d] *= correction;
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         s[u][i] = exp2f(s[u][i] - chunk_max);
@@ -178,18 +207,11 @@ SPLIT_BODY = r"""
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      if (!live[u]) continue;
-      float kv[16];
-      float v_scale = 1.f, v_offset = 0.f;
-      {load_v}
 #pragma unroll
-      for (int d = 0; d < 16; ++d) {
-        const float value = fmaf(kv[d], v_scale, v_offset);
+      for (int d = 0; d < DPL; ++d) {
+        const float value = {v_elem};
 #pragma unroll
-        for (int i = 0; i < ROWS; ++i) {
-          const float p = (m[i] == KV_NEG_INF) ? 0.f : s[u][i];
-          acc[i][d] = fmaf(p, value, acc[i][d]);
-        }
+        for (int i = 0; i < ROWS; ++i) acc[i][d] = fmaf(s[u][i], value, acc[i][d]);
       }
     }
   }
@@ -202,7 +224,7 @@ SPLIT_BODY = r"""
   for (int i = 0; i < ROWS; ++i) {
     if (sub == 0) { sh_m[group][i] = m[i]; sh_l[group][i] = l[i]; }
 #pragma unroll
-    for (int d = 0; d < 16; ++d) sh_acc[group][i][sub * 16 + d] = acc[i][d];
+    for (int d = 0; d < DPL; ++d) sh_acc[group][i][sub * DPL + d] = acc[i][d];
   }
   __syncthreads();
   for (int e = threadIdx.x; e < ROWS * D; e += NUM_WARPS * 32) {
@@ -229,18 +251,43 @@ SPLIT_BODY = r"""
   }
 """
 
-LOAD_NATIVE_K = "kv_load16(kc + at[u] * D + sub * 16, kv);"
-LOAD_NATIVE_V = "kv_load16(vc + at[u] * D + sub * 16, kv);"
-LOAD_PACKED_K = (
-    "kv_codes16<K_BITS>(kc + at[u] * (D * K_BITS / 8) + sub * (16 * K_BITS / 8), kv);"
-    " k_scale = ks[at[u] * (D / GROUP) + (sub * 16) / GROUP];"
-    " k_offset = ko[at[u] * (D / GROUP) + (sub * 16) / GROUP];"
+# Raw page data per unrolled token, by layout kind.
+NATIVE = dict(
+    declare_raw="float kr[UNROLL][DPL], vr[UNROLL][DPL];",
+    load_raw="kv_native<DPL>(kc + at * D + sub * DPL, kr[u]); kv_native<DPL>(vc + at * D + sub * DPL, vr[u]);",
+    clear_raw="for (int d = 0; d < DPL; ++d) { kr[u][d] = 0.f; vr[u][d] = 0.f; }",
+    k_elem="kr[u][d]",
+    k_score="dot",
+    v_elem="vr[u][d]",
 )
-LOAD_PACKED_V = (
-    "kv_codes16<V_BITS>(vc + at[u] * (D * V_BITS / 8) + sub * (16 * V_BITS / 8), kv);"
-    " v_scale = vs[at[u] * (D / GROUP) + (sub * 16) / GROUP];"
-    " v_offset = vo[at[u] * (D / GROUP) + (sub * 16) / GROUP];"
+PACKED = dict(
+    declare_raw=(
+        "KvCodes<DPL, K_BITS> kr[UNROLL]; KvCodes<DPL, V_BITS> vr[UNROLL];"
+        " float k_scale[UNROLL], k_offset[UNROLL], v_scale[UNROLL], v_offset[UNROLL];"
+    ),
+    load_raw=(
+        "kr[u].load(kc + at * (D * K_BITS / 8) + sub * (DPL * K_BITS / 8));"
+        " vr[u].load(vc + at * (D * V_BITS / 8) + sub * (DPL * V_BITS / 8));"
+        " const size_t g = at * (D / GROUP) + (sub * DPL) / GROUP;"
+        " k_scale[u] = __ldg(ks + g); k_offset[u] = __ldg(ko + g);"
+        " v_scale[u] = __ldg(vs + g); v_offset[u] = __ldg(vo + g);"
+    ),
+    clear_raw=(
+        "kr[u].clear(); vr[u].clear();"
+        " k_scale[u] = 0.f; k_offset[u] = 0.f; v_scale[u] = 0.f; v_offset[u] = 0.f;"
+    ),
+    k_elem="kr[u][d]",
+    k_score="fmaf(k_scale[u], dot, k_offset[u] * q_sum[i])",
+    v_elem="fmaf(vr[u][d], v_scale[u], v_offset[u])",
 )
+
+
+def split_source(packed: bool) -> str:
+    source = SPLIT_BODY
+    for key, text in (PACKED if packed else NATIVE).items():
+        source = source.replace("{" + key + "}", text)
+    return source.replace("KV_HEADS_OF", "kc_shape[1]")
+
 
 MERGE_BODY = r"""
   constexpr float LOG2E = 1.4426950408889634f;
@@ -251,8 +298,8 @@ MERGE_BODY = r"""
   for (int s = 0; s < num_splits; ++s) best = fmaxf(best, part_ml[(flat * num_splits + s) * 2]);
   float sink = KV_NEG_INF;
   if (HAS_SINKS) {
-    const int head = (flat / params[1]) % sinks_shape[0];
-    sink = static_cast<float>(sinks[head]) * LOG2E;
+    const int head = (flat / meta[1]) % sinks_shape[0];
+    sink = sinks[head] * LOG2E;
     best = fmaxf(best, sink);
   }
   float total = HAS_SINKS ? exp2f(sink - best) : 0.f;
@@ -273,13 +320,9 @@ _KERNELS: dict[tuple, object] = {}
 def _split_kernel(packed: bool):
     key = ("split", packed)
     if key not in _KERNELS:
-        if packed:
-            inputs = ["queries", "kc", "ks", "ko", "vc", "vs", "vo", "block_tables", "lens", "params", "fparams"]
-            body = SPLIT_BODY.replace("{load_k}", LOAD_PACKED_K).replace("{load_v}", LOAD_PACKED_V)
-        else:
-            inputs = ["queries", "kc", "vc", "block_tables", "lens", "params", "fparams"]
-            body = SPLIT_BODY.replace("{load_k}", LOAD_NATIVE_K).replace("{load_v}", LOAD_NATIVE_V)
-        body = body.replace("KV_HEADS_OF", "kc_shape[1]")
+        planes = ["kc", "ks", "ko", "vc", "vs", "vo"] if packed else ["kc", "vc"]
+        inputs = ["queries", "signs", *planes, "block_tables", "meta"]
+        body = split_source(packed)
         _KERNELS[key] = mx.fast.cuda_kernel(
             name=f"kvstore_paged_split_{'packed' if packed else 'native'}",
             input_names=inputs,
@@ -294,7 +337,7 @@ def _merge_kernel():
     if "merge" not in _KERNELS:
         _KERNELS["merge"] = mx.fast.cuda_kernel(
             name="kvstore_paged_merge",
-            input_names=["part_o", "part_ml", "sinks", "params"],
+            input_names=["part_o", "part_ml", "sinks", "meta"],
             output_names=["result"],
             source=MERGE_BODY,
             header=HEADER,
@@ -314,7 +357,7 @@ def launch(plan: direct.LaunchPlan) -> mx.array:
         output_dtypes=[mx.float32, mx.float32],
     )
     (result,) = _merge_kernel()(
-        inputs=[part_o, part_ml, plan.sinks, plan.params],
+        inputs=[part_o, part_ml, plan.sinks, plan.meta],
         template=plan.merge_template,
         grid=(plan.partial_shape[0] * plan.head_dim, 1, 1),
         threadgroup=(plan.head_dim, 1, 1),

@@ -14,7 +14,7 @@ Algorithm (split-K decode, the same on both backends):
      log-sum-exp rule and writes [B, Hq, L, Dv] in the queries' dtype.
 
 Served: up to 8 queries, Dk == Dv in {16, 32, 64, 128, 256, 512}, group sizes that are
-multiples of 16, any block size, mask None / "causal", any window. Everything else is
+multiples of the dims per lane (8, or 16 for D = 512), any block size, mask None / "causal", any window. Everything else is
 routed to the partitioned path by kernels/attention.py.
 
 Planes must be row-contiguous arrays (the pool's own arrays, not strided views): the
@@ -24,10 +24,13 @@ kernel launcher would otherwise copy a whole pool plane per call.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
+from functools import lru_cache
 
 import mlx.core as mx
 
+from kernels.hadamard import sign_vector
 from kernels.layout import PageLayout
 from kernels.paging import check_shape, first_visible_key
 
@@ -36,13 +39,39 @@ NUM_WARPS = 4
 TARGET_BLOCKS = 132 * 4  # about four resident blocks on each of an H200's 132 SMs
 MIN_SPLIT_TOKENS = 256
 UNROLL = 4  # tokens a lane group loads before reducing (2 for float32 pages: registers)
+DIMS_PER_LANE = 8  # head_dim values per lane; a lane group is D / DIMS_PER_LANE lanes
+
+
+def float_bits(value: float) -> int:
+    """The int32 whose bits are the float32 value (scalars travel in one int32 array)."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+@lru_cache(maxsize=32)
+def rotation_signs(dim: int, seed: int | None) -> mx.array:
+    """The +-1 sign vector of the signed Hadamard rotation as float32 [dim] (a one-element
+    placeholder when keys are not rotated); the kernels apply H by a fast transform."""
+    if seed is None:
+        return mx.ones((1,), dtype=mx.float32)
+    signs = mx.array(sign_vector(dim, seed), dtype=mx.float32)
+    mx.eval(signs)
+    return signs
+
+
+def dims_per_lane(head_dim: int) -> int:
+    """head_dim values one lane owns: DIMS_PER_LANE, more when a warp would not cover D."""
+    return max(DIMS_PER_LANE, head_dim // 32)
 
 
 def kernel_supports(layout: PageLayout, k_head_dim: int, v_head_dim: int) -> bool:
     """True when the custom kernels serve this geometry (else: partitioned)."""
-    if k_head_dim != v_head_dim or k_head_dim % 16 or 32 % (k_head_dim // 16):
+    per_lane = dims_per_lane(k_head_dim)
+    if k_head_dim != v_head_dim or per_lane not in (8, 16) or k_head_dim % per_lane:
         return False
-    return not layout.packed or layout.group_size % 16 == 0
+    lanes = k_head_dim // per_lane
+    if lanes & (lanes - 1):  # a lane group is a power-of-two slice of a warp
+        return False
+    return not layout.packed or layout.group_size % per_lane == 0
 
 
 def split_count(batch: int, n_kv_heads: int, row_chunks: int, span_tokens: int) -> int:
@@ -64,7 +93,7 @@ class LaunchPlan:
     split_inputs: list
     split_template: list
     merge_template: list
-    params: mx.array
+    meta: mx.array
     sinks: mx.array
     partial_shape: tuple  # (B * Hq * L, num_splits)
     output_shape: tuple
@@ -95,16 +124,11 @@ def plan_launch(
     split_tokens = math.ceil(span / num_splits)
     num_splits = math.ceil(span / split_tokens)
 
-    prepared = queries
-    if layout.rotated_keys:
-        from kernels.hadamard import rotate
-
-        prepared = rotate(queries, layout.rotation_seed)
-    params = mx.array(
-        [rows, shape.num_queries, split_tokens, window or 0, first_key, row_chunks], dtype=mx.int32
+    meta = mx.array(
+        [rows, shape.num_queries, split_tokens, window or 0, first_key, row_chunks,
+         float_bits(scale), *context_lens],
+        dtype=mx.int32,
     )
-    fparams = mx.array([scale], dtype=mx.float32)
-    lens = mx.array(context_lens, dtype=mx.int32)
     tables = block_tables.astype(mx.int32)
     if layout.packed:
         plane_inputs = [planes[name] for name in
@@ -113,17 +137,20 @@ def plan_launch(
         plane_inputs = [planes["k"], planes["v"]]
     causal = shape.num_queries > 1 and (mask == "causal" or window is not None)
     unroll = UNROLL if layout.packed or planes["k"].dtype != mx.float32 else max(1, UNROLL // 2)
+    num_warps = NUM_WARPS if shape.k_head_dim <= 256 else 4  # shared memory: groups * rows * D
     split_template = [
         ("D", shape.k_head_dim),
+        ("DPL", dims_per_lane(shape.k_head_dim)),
         ("ROWS", ROWS_PER_BLOCK),
         ("UNROLL", unroll),
-        ("NUM_WARPS", NUM_WARPS),
+        ("NUM_WARPS", num_warps),
         ("BLOCK_SIZE", shape.block_size),
         ("K_BITS", layout.k_bits),
         ("V_BITS", layout.v_bits),
         ("GROUP", layout.group_size),
         ("CAUSAL", causal),
         ("WINDOWED", window is not None),
+        ("ROTATE", layout.rotated_keys),
     ]
     has_sinks = sinks is not None
     merge_template = [("D", shape.v_head_dim), ("HAS_SINKS", has_sinks), ("OutT", queries.dtype)]
@@ -133,11 +160,12 @@ def plan_launch(
         head_dim=shape.k_head_dim,
         num_splits=num_splits,
         grid_y=shape.n_kv_heads * row_chunks,
-        threads=NUM_WARPS * 32,
-        split_inputs=[prepared, *plane_inputs, tables, lens, params, fparams],
+        threads=num_warps * 32,
+        split_inputs=[queries, rotation_signs(shape.k_head_dim, layout.rotation_seed),
+                      *plane_inputs, tables, meta],
         split_template=split_template,
         merge_template=merge_template,
-        params=params,
+        meta=meta,
         sinks=sinks.astype(mx.float32) if has_sinks else mx.zeros((1,), dtype=mx.float32),
         partial_shape=(shape.batch * shape.n_q_heads * shape.num_queries, num_splits),
         output_shape=(shape.batch, shape.n_q_heads, shape.num_queries, shape.v_head_dim),

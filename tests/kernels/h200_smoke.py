@@ -1,18 +1,19 @@
 """Run on the H200 (not collected by pytest): compile the CUDA kernels, check a few cases
-against the reference, then time k4v4 decode over a small grid of launch parameters.
+against the reference, then time k4v4 decode (and its parts) over launch parameters.
 
   python3 tests/kernels/h200_smoke.py [--tune]
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import sys
 import time
 
 import mlx.core as mx
 
-from kernels import direct
+from kernels import cuda, direct
 from kernels.attention import paged_attention
 from tests.kernels.pages import make_case
 
@@ -21,8 +22,10 @@ def check() -> bool:
     ok = True
     for layout, dim, gqa, block, lens, queries, mask, window in [
         ("k4v4", 128, 4, 16, [1000], 1, None, None),
+        ("k4v4-rot", 128, 4, 16, [1000], 1, None, None),
         ("bf16", 128, 4, 16, [1000], 1, None, None),
         ("k8v4-rot", 64, 8, 64, [77, 300], 3, "causal", None),
+        ("k8v8-rot", 256, 1, 16, [300], 8, "causal", 50),
         ("f32", 256, 1, 16, [300], 8, "causal", 50),
     ]:
         case = make_case(layout, head_dim=dim, n_kv_heads=2, gqa=gqa, block_size=block,
@@ -38,11 +41,7 @@ def check() -> bool:
     return ok
 
 
-def time_k4v4(tokens: int, repeats: int = 15, inner: int = 20) -> float:
-    case = make_case("k4v4-rot", head_dim=128, n_kv_heads=8, gqa=4, block_size=16,
-                     context_lens=[tokens], num_queries=1)
-    fn = lambda: paged_attention(case.queries, case.planes, case.block_tables, case.context_lens,
-                                 case.layout, impl="cuda", scale=128**-0.5)
+def median_us(fn, repeats: int = 15, inner: int = 20) -> float:
     mx.eval([fn() for _ in range(inner)])
     samples = []
     for _ in range(repeats):
@@ -54,13 +53,42 @@ def time_k4v4(tokens: int, repeats: int = 15, inner: int = 20) -> float:
     return statistics.median(samples) * 1e6
 
 
+CASES = {}
+
+
+def k4v4_case(tokens):
+    if tokens not in CASES:
+        CASES[tokens] = make_case("k4v4-rot", head_dim=128, n_kv_heads=8, gqa=4, block_size=16,
+                                  context_lens=[tokens], num_queries=1)
+    return CASES[tokens]
+
+
+def time_call(tokens: int) -> float:
+    case = k4v4_case(tokens)
+    return median_us(lambda: paged_attention(case.queries, case.planes, case.block_tables,
+                                             case.context_lens, case.layout, impl="cuda",
+                                             scale=128**-0.5))
+
+
+def time_parts(tokens: int) -> str:
+    case = k4v4_case(tokens)
+    plan = direct.plan_launch(case.queries, case.planes, case.block_tables, case.context_lens,
+                              case.layout, scale=128**-0.5)
+    mx.eval(plan.meta)
+    launch = median_us(lambda: cuda.launch(plan))
+    host = median_us(lambda: mx.array([1, 2, 3, tokens], dtype=mx.int32) + 1)
+    tiny = median_us(lambda: plan.meta + 1)
+    return f"prebuilt launch {launch:.1f} us, new host array + op {host:.1f} us, device op {tiny:.1f} us"
+
+
 if __name__ == "__main__":
     print("device", mx.default_device())
     good = check()
     if "--tune" in sys.argv:
-        for unroll in (2, 4, 8):
-            for target in (264, 528, 1056):
-                direct.UNROLL, direct.TARGET_BLOCKS = unroll, target
-                print(f"tune unroll={unroll} target_blocks={target}: "
-                      f"32K {time_k4v4(32768):.1f} us, 128K {time_k4v4(131072):.1f} us", flush=True)
+        for tokens in (4096, 32768, 131072):
+            print(f"T={tokens}: full call {time_call(tokens):.1f} us; {time_parts(tokens)}", flush=True)
+        for unroll, warps, target in itertools.product((2, 4, 8), (4, 8), (264, 528, 1056)):
+            direct.UNROLL, direct.NUM_WARPS, direct.TARGET_BLOCKS = unroll, warps, target
+            print(f"tune unroll={unroll} warps={warps} target_blocks={target}: "
+                  f"32K {time_call(32768):.1f} us, 128K {time_call(131072):.1f} us", flush=True)
     sys.exit(0 if good else 1)
