@@ -1,0 +1,210 @@
+"""Factories for kvstore tests, shared with the reliability suite (issue 8).
+
+Everything here is a plain function over a Store, so a test builds exactly the
+objects it needs. The nouns:
+
+  identity      a small FormatIdentity (make_identity), cheap enough for thousands of
+                saves: two paged layers (native-bf16 and k8v4) and one sliding layer.
+  page_payload  the bytes of one layer's page of one block, a pure function of the
+                block's chain key and the layer index. Two saves of the same prefix
+                therefore produce the same pages (as the engine would), and a restore
+                can be checked against bytes recomputed from the keys alone, without a
+                log of the bytes. About 1 in 5 pages is all zeros: compressible, and
+                shared between blocks, so dedup and reference counts > 1 occur.
+  save_prefix   what the engine does to publish a prompt: chain the tokens, skip
+                blocks already stored (has_blocks), upload only missing() pages,
+                commit the records; optionally a checkpoint.
+  restore_prefix
+                lookup_prefix + get_pages, every page compared with page_payload.
+  flip_bit      damage one bit of a page where it lies in the LMDB data file.
+
+Worker entry points for subprocess tests live in tests/kvstore/workers.py.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import blake3
+
+from kvstore.format import FormatIdentity, LayerSpec
+from kvstore.ids import ROOT_KEY, ChainKey, PageDigest, page_digest
+from kvstore.pages import HEADER_NBYTES
+from kvstore.records import BlockRecord, Checkpoint, blocks_for_tokens
+from kvstore.store import Store, StoreConfig
+
+BLOCK_SIZE_TOKENS = 4
+TINY_MAP_NBYTES = 64 * 1024
+
+
+def make_layer(**overrides) -> LayerSpec:
+    fields = dict(kind="full", kv_heads=2, k_head_dim=16, v_head_dim=16, page_format="native-bf16")
+    fields.update(overrides)
+    return LayerSpec(**fields)
+
+
+def make_identity(**overrides) -> FormatIdentity:
+    """A three-layer identity: native-bf16 (512-byte pages per 4 tokens), k8v4 (448
+    bytes), and a sliding-window layer that has no pages."""
+    layers = (
+        make_layer(),
+        make_layer(page_format="k8v4", group_size=8, scale_dtype="float32",
+                   rotation="signed-hadamard:7"),
+        make_layer(kind="sliding", page_format="none", window=64),
+    )
+    fields = dict(model_id="test/tiny", model_fingerprint="f" * 64, block_size_tokens=BLOCK_SIZE_TOKENS,
+                  layers=layers, tokenizer_fingerprint="t" * 64)
+    fields.update(overrides)
+    return FormatIdentity(**fields)
+
+
+def make_store(path, *, map_nbytes: int = TINY_MAP_NBYTES, **config) -> Store:
+    """A Store with a tiny initial map by default, so map growth runs in every test."""
+    return Store(path, StoreConfig(map_nbytes=map_nbytes, **config))
+
+
+def page_payload(key: bytes, layer_index: int, nbytes: int) -> bytes:
+    """Deterministic page bytes for (chain key, layer). ~1 in 5 is all zeros."""
+    seed = blake3.blake3(bytes(key) + layer_index.to_bytes(4, "little")).digest()
+    if seed[0] % 5 == 0:
+        return bytes(nbytes)
+    return blake3.blake3(seed).digest(length=nbytes)
+
+
+@dataclass(frozen=True)
+class SavedPrefix:
+    namespace: str
+    tokens: tuple[int, ...]
+    records: tuple[BlockRecord, ...]
+
+    @property
+    def chain_keys(self) -> tuple[ChainKey, ...]:
+        return tuple(r.key for r in self.records)
+
+
+def plan_prefix(identity: FormatIdentity, namespace: str, tokens: Sequence[int]
+                ) -> tuple[list[BlockRecord], dict[PageDigest, bytes]]:
+    """Block records for `tokens` and the payload of every page they name."""
+    tokens = tuple(tokens)
+    bs = identity.block_size_tokens
+    fid = identity.format_id
+    pages_per_block, payload, parent = [], {}, ROOT_KEY
+    for start in range(0, len(tokens), bs):
+        chunk = tokens[start : start + bs]
+        record = BlockRecord(fid, namespace, parent, chunk, ())
+        row = []
+        for li in identity.paged_layers:
+            data = page_payload(record.key, li, identity.layers[li].page_nbytes(len(chunk)))
+            digest = page_digest(data)
+            payload[digest] = data
+            row.append(digest)
+        pages_per_block.append(row)
+        parent = record.key
+    return blocks_for_tokens(fid, namespace, tokens, bs, pages_per_block), payload
+
+
+def save_prefix(store: Store, identity: FormatIdentity, namespace: str, tokens: Sequence[int],
+                *, checkpoint: str | None = None) -> SavedPrefix:
+    """Publish `tokens` the way the engine does; durable when it returns."""
+    store.put_format(identity)
+    records, payload = plan_prefix(identity, namespace, tokens)
+    known = store.has_blocks([r.key for r in records])
+    needed = list(dict.fromkeys(d for r, k in zip(records, known, strict=True) if not k for d in r.pages))
+    absent = store.missing(needed)
+    if absent:
+        store.put_pages({d: payload[d] for d in absent})
+    store.commit_blocks(records)
+    if checkpoint is not None:
+        store.create_checkpoint(Checkpoint(checkpoint, namespace, identity.format_id, tuple(tokens),
+                                           tuple(r.key for r in records)), replace=True)
+    return SavedPrefix(namespace, tuple(tokens), tuple(records))
+
+
+def expected_pages(identity: FormatIdentity, records: Sequence[BlockRecord]) -> list[bytes]:
+    """What a restore of `records` must return, page by page, in block then layer order."""
+    out = []
+    for r in records:
+        for li in identity.paged_layers:
+            out.append(page_payload(r.key, li, identity.layers[li].page_nbytes(len(r.tokens))))
+    return out
+
+
+def restore_prefix(store: Store, identity: FormatIdentity, namespace: str,
+                   tokens: Sequence[int]) -> tuple[int, list[BlockRecord]]:
+    """lookup_prefix + get_pages; asserts every page equals its payload. Returns
+    (tokens matched, matched records)."""
+    match = store.lookup_prefix(identity.format_id, namespace, tokens)
+    digests = [d for b in match.blocks for d in b.pages]
+    want = expected_pages(identity, match.blocks)
+    with store.get_pages(digests) as views:
+        for i, (view, data) in enumerate(zip(views, want, strict=True)):
+            assert bytes(view) == data, f"page {i} ({digests[i].short}) restored wrong bytes"
+    return match.tokens_matched, list(match.blocks)
+
+
+def assert_check_clean(store: Store, read_data: bool = False) -> None:
+    report = store.check(read_data=read_data)
+    assert report.problems == [], f"check found {len(report.problems)} problem(s): {report.problems[:5]}"
+
+
+def gc_now(store: Store) -> dict:
+    """GC with grace 0: every unreferenced page and orphan goes."""
+    return store.plan_gc(0.0).execute()
+
+
+def assert_no_garbage(store: Store) -> None:
+    """After a GC: no unreferenced pages, no quarantine, no stale grace entries."""
+    plan = store.plan_gc(0.0)
+    assert plan.summary() == {"grace_s": 0.0, "unreferenced_pages": 0, "unreferenced_nbytes": 0,
+                              "quarantined_pages": 0, "stale_time_entries": 0}, plan.summary()
+    stats = store.stats()
+    with store.lmdb.read() as txn:
+        times = txn.stat(store.lmdb.dbs["page_times"])["entries"]
+    assert times == stats.page_count, f"{times} grace entries for {stats.page_count} pages"
+
+
+# -- damage ------------------------------------------------------------------------------
+def stored_value(store: Store, digest: bytes) -> bytes:
+    with store.lmdb.read() as txn:
+        value = txn.get(bytes(digest), db=store.lmdb.dbs["pages"])
+    assert value is not None, f"page {bytes(digest).hex()} is not stored"
+    return value
+
+
+def flip_bit(store_path: Path, value: bytes, bit: int) -> int:
+    """Flip bit `bit` (0 = the first bit of the 48-byte page header) of one stored page
+    value inside <store>/data.mdb, with no Store open. The value is found by content, so
+    it must occur exactly once (use random page bytes). Returns the file offset."""
+    assert 0 <= bit < 8 * len(value), f"bit {bit} is outside the {len(value)}-byte value"
+    data_path = Path(store_path) / "data.mdb"
+    blob = data_path.read_bytes()
+    at = blob.find(value)
+    assert at >= 0, "page value not found in data.mdb"
+    assert blob.find(value, at + 1) < 0, "page value occurs twice in data.mdb"
+    offset = at + bit // 8
+    with open(data_path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ (1 << (bit % 8))]))
+        f.flush()
+        os.fsync(f.fileno())
+    return offset
+
+
+def header_field_bits() -> dict[str, int]:
+    """One bit inside each meaningful field of the page header (kvstore/pages.py)."""
+    return {"magic": 0, "codec": 4 * 8, "reserved": 6 * 8 + 2, "raw_nbytes": 15 * 8,
+            "stored_nbytes": 23 * 8, "xxh3": 24 * 8 + 3, "reserved_tail": 45 * 8,
+            "body": HEADER_NBYTES * 8 + 1001}
+
+
+def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.01) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(interval_s)
