@@ -28,12 +28,12 @@ import threading
 
 import mlx.nn as nn
 
-from engine.cache import PagedKVCache
+from engine.cache import ROUTED_MODULES, PagedKVCache
 from kernels.attention import paged_attention
 
 _PATCHED_NAME = "scaled_dot_product_attention"
 _lock = threading.Lock()
-_patches: dict[str, tuple[object, int]] = {}  # module name -> (original function, installs)
+_originals: dict[str, object] = {}  # module name -> its original function while patched
 _installs: dict[int, list[str]] = {}  # id(model) -> module names it patched, in order
 
 
@@ -74,14 +74,11 @@ def install(model: nn.Module) -> list[str]:
     with _lock:
         names = model_modules(model)
         for name in names:
-            module = sys.modules[name]
-            if name in _patches:
-                original, count = _patches[name]
-                _patches[name] = (original, count + 1)
-            else:
-                original = getattr(module, _PATCHED_NAME)
-                _patches[name] = (original, 1)
-                setattr(module, _PATCHED_NAME, _router(original))
+            if name not in ROUTED_MODULES:
+                module = sys.modules[name]
+                _originals[name] = getattr(module, _PATCHED_NAME)
+                setattr(module, _PATCHED_NAME, _router(_originals[name]))
+            ROUTED_MODULES[name] = ROUTED_MODULES.get(name, 0) + 1
         _installs.setdefault(id(model), []).append(",".join(names))
         return names
 
@@ -96,12 +93,10 @@ def uninstall(model: nn.Module) -> None:
         if not stack:
             del _installs[id(model)]
         for name in names:
-            original, count = _patches[name]
-            if count > 1:
-                _patches[name] = (original, count - 1)
-            else:
-                del _patches[name]
-                setattr(sys.modules[name], _PATCHED_NAME, original)
+            ROUTED_MODULES[name] -= 1
+            if ROUTED_MODULES[name] == 0:
+                del ROUTED_MODULES[name]
+                setattr(sys.modules[name], _PATCHED_NAME, _originals.pop(name))
 
 
 def is_installed(model: nn.Module) -> bool:

@@ -6,11 +6,12 @@ trim, size, empty, nbytes. K/V are encoded (rotated and quantized for packed for
 exactly once, in update_and_fetch, and written into the blocks of a host-side block
 table (a Python list of pool block ids, in token order).
 
-Attention does not go through the arrays update_and_fetch returns. Those are a lazy
-gather of the decoded history, so a model whose attention was not installed (see
-engine/attention.py) still computes the right thing; with the engine installed nothing
-ever evaluates them and they cost a few graph nodes. Installed, the layer attends
-through kernels.attention.paged_attention over the pool planes.
+Attention does not go through the arrays update_and_fetch returns. Installed (see
+engine/attention.py), the layer attends through kernels.attention.paged_attention over
+the pool planes, and a cache made for that model (make_cache sets `routed_by`) returns
+the NOT_FETCHED marker instead of building a history nobody reads (about 60 us of graph
+building per layer and step). Otherwise it returns a lazy gather of the decoded history,
+so a model whose attention was not installed still computes the right thing.
 
 Sharing: clone() shares every block (reference counts); the first write into a shared
 block copies it (copy-on-write). snapshot() pins the blocks it covers the same way, so
@@ -31,6 +32,7 @@ from mlx_lm.models.cache import create_attention_mask
 from engine.errors import FormatMismatch, SnapshotReleased, UnsupportedBatch
 from engine.formats import (
     PageSpec,
+    blocks_from_pages,
     decode_tokens,
     encode_tokens,
     gather_history,
@@ -38,6 +40,23 @@ from engine.formats import (
     resolve_format,
 )
 from engine.pool import BlockPool
+
+# Modules whose scaled_dot_product_attention is the engine's router right now, with
+# their install counts. engine/attention.py keeps it; caches only read it.
+ROUTED_MODULES: dict[str, int] = {}
+
+
+class NotFetched:
+    """What update_and_fetch returns in place of K/V when the engine's router attends.
+
+    Any use other than being handed to the router fails loudly (it is not an array)."""
+
+    def __repr__(self) -> str:
+        return ("<PagedKVCache history not fetched: the engine attends for this layer; "
+                "uninstall it to get arrays>")
+
+
+NOT_FETCHED = NotFetched()
 
 
 def _release(pool: BlockPool, blocks: list[int]) -> None:
@@ -52,6 +71,7 @@ class PagedKVCache:
         self.pool = pool
         self.spec: PageSpec = pool.spec
         self.attention_impl = attention_impl  # passed to kernels.attention.paged_attention
+        self.routed_by: tuple[str, ...] = ()  # model modules whose router attends for us
         self.offset = 0
         self.dtype: mx.Dtype | None = None  # the model's K/V dtype, seen at the first write
         self._blocks: list[int] = []  # host-side block table
@@ -62,7 +82,8 @@ class PagedKVCache:
     # -- mlx-lm cache interface ---------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """keys [1, Hkv, L, Dk], values [1, Hkv, L, Dv] -> lazy decoded history
-        ([1, Hkv, offset, Dk], [1, Hkv, offset, Dv]) in the keys' dtype."""
+        ([1, Hkv, offset, Dk], [1, Hkv, offset, Dv]) in the keys' dtype, or
+        (NOT_FETCHED, NOT_FETCHED) while the router of every `routed_by` module attends."""
         self._check_input(keys, values)
         start, stop = self.offset, self.offset + keys.shape[2]
         encoded = encode_tokens(self.spec, keys[0], values[0])
@@ -77,6 +98,8 @@ class PagedKVCache:
             position += run
         self.offset = stop
         self.dtype = keys.dtype
+        if self.routed_by and all(name in ROUTED_MODULES for name in self.routed_by):
+            return NOT_FETCHED, NOT_FETCHED
         return self.keys_and_values()
 
     def keys_and_values(self, dtype: mx.Dtype | None = None):
@@ -187,6 +210,7 @@ class PagedKVCache:
     def clone(self) -> "PagedKVCache":
         """A cache sharing every block with this one (copy-on-write on either side)."""
         other = type(self)(self.pool, attention_impl=self.attention_impl)
+        other.routed_by = self.routed_by
         self.pool.incref(self._blocks)
         other._blocks.extend(self._blocks)
         other.offset = self.offset
@@ -205,16 +229,13 @@ class PagedKVCache:
 
     @classmethod
     def from_pages(cls, pool: BlockPool, pages: list, **kwargs) -> "PagedKVCache":
-        """A cache holding kvstore pages (bytes) as they are: no re-encoding."""
-        from engine.formats import blocks_from_pages
-
-        planes, tokens = blocks_from_pages(pool.spec, pages)
+        """A cache holding kvstore pages (bytes, in block order) as they are: no
+        re-encoding. Blocks are allocated all at once (PoolExhausted changes nothing)."""
+        planes, tokens = blocks_from_pages(pool.spec, pages)  # name -> [n, H, bs, W]
         cache = cls(pool, **kwargs)
-        size = pool.spec.block_size_tokens
-        flat = {n: p.transpose(1, 0, 2, 3).reshape(p.shape[1], -1, p.shape[3])[:, :tokens]
-                for n, p in planes.items()}
-        assert all(v.shape[1] == tokens for v in flat.values()), size
-        cache._write_planes(flat, tokens)
+        cache._make_writable(0, tokens)
+        pool.write_blocks(cache._blocks, planes)
+        cache.offset = tokens
         return cache
 
     # -- internals ----------------------------------------------------------------

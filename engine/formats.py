@@ -95,6 +95,10 @@ class PageSpec:
     rotation_seed: int | None = None  # packed keys are stored as k @ R(seed) when set
 
     def __post_init__(self):
+        if not self.format.packed and self.group_size != 64:
+            # Native pages have no groups; one canonical value keeps specs built from a
+            # policy and from an identity equal.
+            object.__setattr__(self, "group_size", 64)
         if self.rotation_seed is not None:
             if not self.format.packed:
                 raise FormatMismatch("native pages are never rotated")

@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from engine.attention import model_modules
 from engine.cache import PagedKVCache
 from engine.errors import UnsupportedModel
 from engine.formats import format_identity, page_spec_for, resolve_format
@@ -94,13 +95,16 @@ def make_cache(model: nn.Module, policy: KVPolicy | None = None, *, model_id: st
                                f"{len(stock)} caches")
     if pools is None:
         pools = make_pools(model, policy, model_id=model_id)
+    routed_by = tuple(model_modules(model))
     caches = []
     for index, (layer, cache, pool) in enumerate(zip(geometry, stock, pools, strict=True)):
         if type(cache) is KVCache:
             assert layer.kind == "full" and pool is not None, (
                 f"layer {index}: mlx-lm builds a KVCache but the rules say {layer.kind}")
             impl = default_attention_impl(pool) if attention_impl == "auto" else attention_impl
-            caches.append(PagedKVCache(pool, attention_impl=impl))
+            cache = PagedKVCache(pool, attention_impl=impl)
+            cache.routed_by = routed_by
+            caches.append(cache)
         else:
             assert layer.kind != "full" or not isinstance(cache, RotatingKVCache), (
                 f"layer {index}: the rules say full attention, mlx-lm builds {type(cache).__name__}")

@@ -139,6 +139,14 @@ class BlockPool:
             stop = start + values.shape[1]
             self.planes[name][block, :, start:stop, :] = values
 
+    def write_blocks(self, blocks: list[int], planes: dict[str, mx.array]) -> None:
+        """Write whole blocks at once: planes [len(blocks), H, block_size, width]."""
+        for block in blocks:
+            assert self._refs[block] == 1, f"write into block {block} with {self._refs[block]} refs"
+        ids = mx.array(blocks, dtype=mx.int32)
+        for name, values in planes.items():
+            self.planes[name][ids] = values
+
     def copy_block(self, source: int, target: int) -> None:
         """Copy every plane of one block into another (the copy of copy-on-write)."""
         assert self._refs[target] == 1, f"copy into block {target} with {self._refs[target]} refs"

@@ -231,3 +231,28 @@ def test_stock_caches_are_untouched_while_installed(paged_calls):
         got = logits_of(model, make_prompt_cache(model), prompt)
     assert mx.array_equal(expected, got).item()
     assert paged_calls == []
+
+
+def test_without_install_paged_caches_still_compute_exactly(paged_calls):
+    model = tiny_model("qwen3", mx.bfloat16)
+    prompt = prompt_tokens(2 * BLOCK + 3, seed=12)
+    expected = logits_of(model, make_prompt_cache(model), prompt)
+    paged = make_cache(model, POLICY)
+    got = logits_of(model, paged, prompt)  # through the lazy history and mlx-lm's own SDPA
+    assert mx.array_equal(expected, got).item()
+    assert paged_calls == []
+
+
+def test_routed_caches_skip_the_fallback_history():
+    from engine.cache import NOT_FETCHED
+
+    model = tiny_model("llama", mx.bfloat16)
+    routed = make_cache(model, POLICY)[0]
+    standalone = PagedKVCache(BlockPool(routed.spec, 2))
+    x = mx.zeros((1, 2, 3, 64), mx.bfloat16)
+    with engine.installed(model):
+        assert routed.update_and_fetch(x, x) == (NOT_FETCHED, NOT_FETCHED)
+        keys, _ = standalone.update_and_fetch(x, x)
+        assert keys.shape == (1, 2, 3, 64)
+    keys, _ = routed.update_and_fetch(x, x)
+    assert keys.shape == (1, 2, 6, 64)

@@ -172,3 +172,14 @@ def test_gemma3_identity_has_sliding_layers_with_window():
     assert ident.layers[0].window == 8 and ident.layers[0].page_format == "native-bf16"
     assert ident.paged_layers == (1, 3)
     assert [s is None for s in page_specs(ident)] == [True, False, True, False]
+
+
+@pytest.mark.parametrize("name", ["native", "k8v4"])
+def test_specs_from_policy_and_from_identity_are_equal(name):
+    from engine import make_pools
+
+    model = tiny_model("qwen3", mx.bfloat16)
+    policy = KVPolicy(default_format=name, block_size_tokens=32, group_size=32)
+    ident = format_identity(model.args, policy, model_id="m", model_dtype=mx.bfloat16)
+    pools = make_pools(model, policy, model_id="m")
+    assert [p.spec for p in pools] == page_specs(ident)
