@@ -1,0 +1,115 @@
+"""generate_with_store: restore, prefill the rest, generate, publish, report.
+
+A thin layer over mlx-lm's generate_step: the cache it is handed is the restored one,
+so mlx-lm prefills only the tokens the store did not have. Publication goes through a
+WriteBehindPublisher when one is given (never blocking generation), else inline after
+generation. Rates are recorded per execution identity (engine/rates.py) and decide
+between restoring and recomputing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from engine.attention import installed
+from engine.models import model_identity
+from engine.policy import KVPolicy
+from engine.publish import DEFAULT_NAMESPACE, capture, upload
+from engine.rates import ExecutionKey, RateBook
+from engine.restore import restore
+
+DEFAULT_RATES = RateBook()
+
+
+@dataclass
+class GenerationReport:
+    tokens: list[int]
+    text: str | None
+    prompt_tokens: int
+    tokens_restored: int
+    tokens_computed: int
+    restore_s: float
+    prefill_s: float
+    ttft_s: float
+    decode_s: float
+    time_saved_s: float | None  # restored tokens at the measured prefill rate, minus restore time
+    decision: str
+    published: dict | None = field(default=None)
+
+
+def _device() -> str:
+    return str(mx.default_device())
+
+
+def generate_with_store(model, tokenizer, prompt: str | Sequence[int], store, *, model_id: str,
+                        policy: KVPolicy | None = None, namespace: str = DEFAULT_NAMESPACE,
+                        max_tokens: int = 64, sampler=None, publisher=None,
+                        publish_prompt: bool = True, rates: RateBook | None = None,
+                        pools: list | None = None) -> GenerationReport:
+    """Generate from `prompt` (text, or token ids) reusing the store's longest prefix."""
+    policy = policy or KVPolicy()
+    rates = rates or DEFAULT_RATES
+    tokens = list(prompt) if not isinstance(prompt, str) else list(tokenizer.encode(prompt))
+    if not tokens:
+        raise ValueError("the prompt has no tokens")
+    identity = model_identity(model, policy, model_id=model_id)
+    page_format = identity.layers[identity.paged_layers[0]].page_format if identity.paged_layers else "none"
+    compute_key = ExecutionKey(identity.model_fingerprint, page_format, "engine", _device())
+    restore_key = ExecutionKey(identity.model_fingerprint, page_format, "restore",
+                               type(store).__name__)
+
+    with installed(model):
+        t0 = time.perf_counter()
+        restored = restore(model, tokens, store, model_id=model_id, policy=policy,
+                           namespace=namespace, pools=pools)
+        restore_s = time.perf_counter() - t0
+        decision = rates.decide_restore(compute_key, restore_key, restored.tokens_restored,
+                                        restored.bytes_read)
+        cache, n = restored.cache, restored.tokens_restored
+        if n and not decision.restore:
+            for c in cache:
+                if hasattr(c, "free"):
+                    c.free()
+            restored = restore(model, tokens, store, model_id=model_id, policy=policy,
+                               namespace=namespace, pools=pools, max_tokens=0)
+            cache, n = restored.cache, 0
+        elif n:
+            rates.record(restore_key, "restore_bytes_per_s", restored.bytes_read, restore_s)
+
+        out: list[int] = []
+        t1 = time.perf_counter()
+        ttft = prefill_s = 0.0
+        for i, (token, _) in enumerate(generate_step(mx.array(tokens[n:]), model,
+                                                     prompt_cache=cache, max_tokens=max_tokens,
+                                                     sampler=sampler)):
+            if i == 0:
+                prefill_s = time.perf_counter() - t1
+                ttft = time.perf_counter() - t0
+            out.append(int(token))
+        decode_s = time.perf_counter() - t1 - prefill_s
+
+        computed = len(tokens) - n
+        rates.record(compute_key, "prefill_tokens_per_s", computed, prefill_s)
+        if len(out) > 1:
+            rates.record(compute_key, "decode_tokens_per_s", len(out) - 1, decode_s)
+        rates.record_value(compute_key, "ttft_s", ttft)
+
+        published = None
+        if publish_prompt:
+            cap = capture(identity, tokens, cache)
+            if publisher is not None:
+                publisher.submit(cap, namespace=namespace)
+                published = {"queued": True}
+            else:
+                published = upload(store, cap, namespace=namespace).__dict__
+
+    prefill_rate = rates.rate(compute_key, "prefill_tokens_per_s")
+    saved = (n / prefill_rate.mean - restore_s) if (n and prefill_rate) else None
+    text = tokenizer.decode(out) if tokenizer is not None and hasattr(tokenizer, "decode") else None
+    return GenerationReport(out, text, len(tokens), n, computed, restore_s, prefill_s, ttft,
+                            decode_s, saved, decision.reason, published)

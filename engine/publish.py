@@ -1,0 +1,229 @@
+"""Publish: a cache's pages become store pages under its format identity.
+
+publish(store, identity, tokens, caches) runs in three steps:
+  capture   (caller's thread, cheap)   copy the pages of every paged layer out of
+            the pool or the stock cache into host memory, plus the attachments of
+            non-paged layers when a checkpoint is asked for. Later appends, trims or
+            frees cannot change a capture.
+  upload    (any thread, no MLX)       chain keys for every block (full blocks and
+            the partial tail); blocks whose keys the store has are skipped without
+            hashing their pages; the rest are hashed (blake3), missing() says which
+            pages to send, put_pages sends them, commit_blocks commits the records.
+  checkpoint (optional)                attachments are uploaded as pages and a named
+            checkpoint pins the whole chain.
+
+Packed pages are published byte for byte as they sit in the pool. Sources: the
+engine's PagedKVCache and mlx-lm's KVCache (native pages) for full-attention layers;
+any registered mlx-lm cache (engine/attachments.py) for the other layers, as
+attachments. mlx-lm's QuantizedKVCache uses mlx's own quantization, which is none of
+our page formats: publishing it is refused (FormatMismatch) rather than re-quantized.
+
+WriteBehindPublisher (engine/writebehind.py) runs the upload step off the decode path.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from engine.attachments import encode_attachment
+from engine.cache import PagedKVCache
+from engine.errors import FormatMismatch, InvalidRequest
+from engine.formats import PageSpec, page_specs
+from kvstore.errors import MissingReferences
+from kvstore.format import FormatIdentity
+from kvstore.ids import ROOT_KEY, chain_key, page_digest
+from kvstore.records import BlockRecord, Checkpoint
+
+log = logging.getLogger(__name__)
+DEFAULT_NAMESPACE = "default"
+
+
+@dataclass
+class LayerCapture:
+    """One paged layer's history in host memory: name -> [n_blocks, H, block, width]."""
+
+    spec: PageSpec
+    planes: dict[str, np.ndarray]
+    num_tokens: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.planes.values())
+
+    def page(self, index: int) -> bytes:
+        """Block `index` as kvstore page bytes (the last block holds only its tokens)."""
+        size = self.spec.block_size_tokens
+        tokens = min(size, self.num_tokens - index * size)
+        data = b"".join(np.ascontiguousarray(self.planes[n][index, :, :tokens]).tobytes()
+                        for n in self.spec.plane_names)
+        assert len(data) == self.spec.page_nbytes(tokens), "page bytes do not fit the spec"
+        return data
+
+
+@dataclass
+class Capture:
+    """Everything a publication needs, detached from the live caches."""
+
+    identity: FormatIdentity
+    tokens: tuple[int, ...]
+    layers: list[LayerCapture]  # one per paged layer, in identity.paged_layers order
+    attachments: dict[str, bytes] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes this capture pins until it is published or dropped."""
+        return sum(layer.nbytes for layer in self.layers) + sum(map(len, self.attachments.values()))
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    tokens: int
+    blocks: int
+    blocks_skipped: int
+    pages_sent: int
+    bytes_sent: int
+    checkpoint: str | None = None
+
+
+def _host(x: mx.array) -> np.ndarray:
+    return np.array(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x, copy=True)
+
+
+def _capture_paged(cache: PagedKVCache, spec: PageSpec, num_tokens: int) -> LayerCapture:
+    if cache.spec != spec:
+        raise FormatMismatch(f"cache pages are {cache.spec}, the identity says {spec}")
+    size = spec.block_size_tokens
+    blocks = list(cache.block_ids[: -(-num_tokens // size)])
+    ids = mx.array(blocks or [0], dtype=mx.int32)
+    gathered = {n: cache.pool.planes[n][ids] for n in spec.plane_names}
+    mx.eval(gathered)
+    return LayerCapture(spec, {n: _host(g) for n, g in gathered.items()}, num_tokens)
+
+
+def _capture_stock(cache: KVCache, spec: PageSpec, num_tokens: int) -> LayerCapture:
+    if spec.format.packed:
+        raise FormatMismatch(f"a stock KVCache holds native K/V, the identity says {spec.format.name}")
+    size = spec.block_size_tokens
+    n_blocks = -(-num_tokens // size)
+    planes = {}
+    for name, array in (("k", cache.keys), ("v", cache.values)):
+        if array.dtype != spec.format.dtype:
+            raise FormatMismatch(f"KVCache holds {array.dtype}, the identity says {spec.format.name}")
+        history = array[0, :, :num_tokens]  # [H, T, D]
+        pad = n_blocks * size - num_tokens
+        if pad:
+            history = mx.concatenate([history, mx.zeros((history.shape[0], pad, history.shape[2]),
+                                                        history.dtype)], axis=1)
+        heads, _, width = history.shape
+        planes[name] = history.reshape(heads, n_blocks, size, width).transpose(1, 0, 2, 3)
+    mx.eval(planes)
+    return LayerCapture(spec, {n: _host(p) for n, p in planes.items()}, num_tokens)
+
+
+def capture(identity: FormatIdentity, tokens: Sequence[int], caches: Sequence,
+            *, attachments: bool = False) -> Capture:
+    """Copy what publishing `tokens` needs out of `caches` (one per model layer).
+
+    The paged layers must hold at least len(tokens) tokens; only that many are taken.
+    With attachments=True, every non-paged layer's complete state is encoded too
+    (needed for a checkpoint; such state is only valid at exactly its own length).
+    """
+    if len(caches) != len(identity.layers):
+        raise InvalidRequest(f"{len(caches)} caches for a format of {len(identity.layers)} layers")
+    tokens = tuple(int(t) for t in tokens)
+    specs = page_specs(identity)
+    layers, extra = [], {}
+    for index, (cache, spec) in enumerate(zip(caches, specs)):
+        if spec is None:
+            if attachments:
+                extra[f"layer.{index}"] = encode_attachment(cache)
+            continue
+        held = cache.offset if not isinstance(cache, PagedKVCache) else cache.size()
+        if held < len(tokens):
+            raise InvalidRequest(f"layer {index} holds {held} tokens, fewer than the {len(tokens)} "
+                                 "to publish")
+        if isinstance(cache, PagedKVCache):
+            layers.append(_capture_paged(cache, spec, len(tokens)))
+        elif isinstance(cache, QuantizedKVCache):
+            raise FormatMismatch("QuantizedKVCache pages use mlx's own quantization, not a kvstore "
+                                 "page format; publish from a PagedKVCache with a packed policy "
+                                 "or from a KVCache")
+        elif isinstance(cache, KVCache):
+            layers.append(_capture_stock(cache, spec, len(tokens)))
+        else:
+            raise FormatMismatch(f"layer {index} is a full-attention layer with a "
+                                 f"{type(cache).__name__}, which has no pages")
+    return Capture(identity, tokens, layers, extra)
+
+
+def upload(store, cap: Capture, *, namespace: str = DEFAULT_NAMESPACE,
+           checkpoint: str | None = None, metadata: dict | None = None) -> PublishResult:
+    """Send a capture to the store (see the module docstring). No MLX calls."""
+    identity = cap.identity
+    fid = store.put_format(identity)
+    size = identity.block_size_tokens
+    tokens = cap.tokens
+    chunks = [tokens[i : i + size] for i in range(0, len(tokens), size)]
+    keys, parent = [], ROOT_KEY
+    for chunk in chunks:
+        parent = chain_key(fid, namespace, parent, chunk)
+        keys.append(parent)
+    stored = store.has_blocks(keys) if keys else []
+    first_new = next((i for i, present in enumerate(stored) if not present), len(keys))
+    records, payload = [], {}
+    parent = keys[first_new - 1] if first_new else ROOT_KEY
+    for i in range(first_new, len(keys)):
+        digests = []
+        for layer in cap.layers:
+            data = layer.page(i)
+            digest = page_digest(data)
+            payload[digest] = data
+            digests.append(digest)
+        record = BlockRecord(fid, namespace, parent, chunks[i], tuple(digests))
+        records.append(record)
+        parent = record.key
+    attachment_digests = {}
+    if checkpoint is not None:
+        for name, data in cap.attachments.items():
+            digest = page_digest(data)
+            payload[digest] = data
+            attachment_digests[name] = digest
+    sent = _send(store, payload, records)
+    if checkpoint is not None:
+        store.create_checkpoint(Checkpoint(checkpoint, namespace, fid, tokens, tuple(keys),
+                                           attachment_digests, metadata or {}), replace=True)
+    return PublishResult(len(tokens), len(keys), first_new, len(sent), sum(len(payload[d]) for d in sent),
+                         checkpoint)
+
+
+def _send(store, payload: dict, records: list[BlockRecord]) -> list:
+    """missing -> put_pages -> commit_blocks. A page collected between missing() and the
+    commit (eviction, or a GC past its grace) makes the commit refuse; send again once."""
+    for attempt in range(2):
+        absent = store.missing(list(payload)) if payload else []
+        if absent:
+            store.put_pages([(d, payload[d]) for d in absent])
+        try:
+            if records:
+                store.commit_blocks(records)
+            return absent
+        except MissingReferences:
+            if attempt:
+                raise
+            log.info("pages vanished between upload and commit; sending them again")
+    raise AssertionError("unreachable")
+
+
+def publish(store, identity: FormatIdentity, tokens: Sequence[int], caches: Sequence, *,
+            namespace: str = DEFAULT_NAMESPACE, checkpoint: str | None = None,
+            metadata: dict | None = None) -> PublishResult:
+    """Capture and upload in the caller's thread. For write-behind use
+    WriteBehindPublisher.submit(capture(...))."""
+    cap = capture(identity, tokens, caches, attachments=checkpoint is not None)
+    return upload(store, cap, namespace=namespace, checkpoint=checkpoint, metadata=metadata)

@@ -1,0 +1,227 @@
+"""Restore: the longest stored prefix of a prompt, rebuilt as a model's cache.
+
+restore(model, tokens, store, ...) -> Restored(cache, tokens_restored, ...), which
+unpacks as (cache, tokens_restored).
+
+Order of work, so that "incompatible" and "does not fit" are decided before anything
+is allocated:
+  1. the model's format identity under the KV policy; caller-supplied pools are
+     compared with it field by field (IncompatibleFormat carries the diff);
+  2. the source: for a model whose layers are all full attention, lookup_prefix over
+     block records; for a model with sliding-window or recurrent layers, the longest
+     checkpoint of the same format whose tokens prefix the prompt (their state is only
+     valid at exactly its own length, so it is never restored partway);
+  3. pool capacity for every paged layer (PoolExhausted before any allocation);
+  4. pages are read zero-copy from the LMDB map for a local Store (each verified
+     against its hash on read) or fetched into buffers from a RemoteStore, and copied
+     once into freshly allocated pool blocks (or stock mlx-lm caches).
+
+At most len(tokens) - 1 tokens are restored by default: the model must still run on
+at least one token to produce the logits of the next.
+Native restores are bit-exact with recompute; packed restores are the published
+bytes, byte for byte.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from engine.attachments import decode_attachment
+from engine.cache import PagedKVCache
+from engine.errors import InvalidRequest, PoolExhausted
+from engine.formats import blocks_from_pages, page_specs
+from engine.models import default_attention_impl, make_cache, make_pools, model_identity
+from engine.policy import KVPolicy
+from engine.publish import DEFAULT_NAMESPACE
+from kvstore.errors import IncompatibleFormat, NotFound
+from kvstore.format import FormatIdentity, LayerSpec, diff
+from kvstore.records import BlockRecord, Checkpoint
+
+CACHE_KINDS = ("paged", "kvcache", "quantized")
+
+
+@dataclass
+class Restored:
+    cache: list
+    tokens_restored: int
+    blocks: int = 0
+    bytes_read: int = 0
+    source: str = "none"  # "prefix" | "checkpoint" | "none"
+    checkpoint: str | None = None
+
+    def __iter__(self):
+        yield self.cache
+        yield self.tokens_restored
+
+
+def check_pools(identity: FormatIdentity, pools: Sequence) -> None:
+    """IncompatibleFormat (with the per-layer field diff) unless every paged layer's pool
+    stores exactly the pages the identity names."""
+    if len(pools) != len(identity.layers):
+        raise IncompatibleFormat("pools do not match the model's format identity",
+                                 [("len(layers)", len(identity.layers), len(pools))])
+    problems = []
+    for index, (layer, pool) in enumerate(zip(identity.layers, pools)):
+        if layer.paged != (pool is not None):
+            problems.append((f"layers[{index}].paged", layer.paged, pool is not None))
+            continue
+        if pool is None:
+            continue
+        theirs = pool.spec.layer_spec()
+        for field_name in LayerSpec.__dataclass_fields__:
+            a, b = getattr(layer, field_name), getattr(theirs, field_name)
+            if a != b:
+                problems.append((f"layers[{index}].{field_name}", a, b))
+        if pool.spec.block_size_tokens != identity.block_size_tokens:
+            problems.append((f"layers[{index}].block_size_tokens", identity.block_size_tokens,
+                             pool.spec.block_size_tokens))
+    if problems:
+        raise IncompatibleFormat("the pools store pages of another format than the model's "
+                                 "identity", problems)
+
+
+def find_checkpoint(store, identity: FormatIdentity, namespace: str, tokens: Sequence[int],
+                    limit: int) -> Checkpoint | None:
+    """The longest checkpoint of this format whose tokens prefix tokens[:limit]."""
+    best = None
+    head = tuple(tokens[:limit])
+    for ckpt in store.list_checkpoints(namespace):
+        n = len(ckpt.tokens)
+        if (ckpt.format_id == identity.format_id and 0 < n <= limit
+                and head[:n] == tuple(ckpt.tokens) and (best is None or n > len(best.tokens))):
+            best = ckpt
+    return best
+
+
+@contextmanager
+def _pages(store, digests: list):
+    """Verified page buffers: zero-copy views for a local Store, fetched copies otherwise."""
+    if not digests:
+        yield []
+        return
+    if hasattr(store, "get_pages"):
+        with store.get_pages(digests) as views:
+            yield views
+    else:
+        yield store.read_pages(digests)
+
+
+def _check_capacity(pools, n_blocks: int) -> None:
+    for index, pool in enumerate(pools):
+        if pool is not None and pool.num_available_blocks < n_blocks:
+            raise PoolExhausted(
+                f"restoring {n_blocks} blocks into layer {index}'s pool would exceed it "
+                f"({pool.num_available_blocks} blocks available); nothing was allocated",
+                requested=n_blocks, available=pool.num_available_blocks)
+
+
+def restore(model, tokens: Sequence[int], store, *, model_id: str,
+            policy: KVPolicy | None = None, namespace: str = DEFAULT_NAMESPACE,
+            pools: list | None = None, cache_kind: str = "paged", max_tokens: int | None = None,
+            attention_impl: str | None = "auto", quantized_group_size: int = 64,
+            quantized_bits: int = 8, tokenizer_fingerprint: str = "",
+            checkpoint: str | None = None) -> Restored:
+    """See the module docstring. checkpoint=NAME restores that checkpoint exactly and
+    raises IncompatibleFormat (with the diff) when it was saved under another format."""
+    if cache_kind not in CACHE_KINDS:
+        raise InvalidRequest(f"cache_kind must be one of {CACHE_KINDS}, got {cache_kind!r}")
+    policy = policy or KVPolicy()
+    identity = model_identity(model, policy, model_id=model_id,
+                              tokenizer_fingerprint=tokenizer_fingerprint)
+    if cache_kind == "paged":
+        if pools is not None:
+            check_pools(identity, pools)
+    elif any(layer.paged and layer.page_format.startswith("k") for layer in identity.layers):
+        raise IncompatibleFormat(f"{cache_kind} caches hold native K/V; the policy gives packed pages",
+                                 [("page_format", "native", identity.layers[identity.paged_layers[0]].page_format)])
+    limit = len(tokens) - 1 if max_tokens is None else min(max_tokens, len(tokens))
+    all_full = all(layer.paged for layer in identity.layers)
+
+    ckpt, blocks = None, []
+    if checkpoint is not None:
+        ckpt = store.get_checkpoint(namespace, checkpoint)
+        if ckpt.format_id != identity.format_id:
+            try:
+                theirs = store.get_format(ckpt.format_id)
+            except NotFound:
+                theirs = None
+            raise IncompatibleFormat(
+                f"checkpoint {namespace}/{checkpoint} was saved under another format",
+                diff(identity, theirs) if theirs is not None else
+                [("format_id", identity.format_id_hex, ckpt.format_id.hex())])
+        if tuple(tokens[: len(ckpt.tokens)]) != tuple(ckpt.tokens):
+            raise InvalidRequest(f"checkpoint {namespace}/{checkpoint} is not a prefix of the prompt")
+        blocks = store.get_blocks(ckpt.chain_keys)
+    elif limit > 0 and all_full:
+        blocks = list(store.lookup_prefix(identity.format_id, namespace, tokens,
+                                          max_tokens=limit).blocks)
+    elif limit > 0:
+        ckpt = find_checkpoint(store, identity, namespace, tokens, limit)
+        if ckpt is not None:
+            blocks = store.get_blocks(ckpt.chain_keys)
+
+    if pools is None and cache_kind == "paged":
+        pools = make_pools(model, policy, model_id=model_id)
+    if not blocks and ckpt is None:
+        return Restored(_fresh(model, policy, model_id, pools, cache_kind, attention_impl,
+                               quantized_group_size, quantized_bits), 0)
+    if cache_kind == "paged":
+        _check_capacity(pools, len(blocks))
+    return _build(model, policy, model_id, identity, pools, blocks, ckpt, store, cache_kind,
+                  attention_impl, quantized_group_size, quantized_bits)
+
+
+def _fresh(model, policy, model_id, pools, cache_kind, attention_impl, group_size, bits) -> list:
+    if cache_kind == "paged":
+        return make_cache(model, policy, model_id=model_id, pools=pools,
+                          attention_impl=attention_impl)
+    caches = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+    if cache_kind == "quantized":
+        caches = [c.to_quantized(group_size, bits) if type(c) is KVCache else c for c in caches]
+    return caches
+
+
+def _build(model, policy, model_id, identity, pools, blocks: list[BlockRecord], ckpt, store,
+           cache_kind, attention_impl, group_size, bits) -> Restored:
+    specs = page_specs(identity)
+    paged = identity.paged_layers
+    digests = [d for b in blocks for d in b.pages]
+    attachment_names = sorted(ckpt.attachments) if ckpt is not None else []
+    attachment_digests = [ckpt.attachments[n] for n in attachment_names]
+    caches = _fresh(model, policy, model_id, pools, cache_kind, attention_impl, group_size, bits)
+    nbytes = 0
+    with _pages(store, digests + attachment_digests) as views:
+        nbytes = sum(len(v) for v in views)
+        per_layer = {layer: [views[i * len(paged) + j] for i in range(len(blocks))]
+                     for j, layer in enumerate(paged)}
+        for layer, pages in per_layer.items():
+            spec = specs[layer]
+            if cache_kind == "paged":
+                impl = default_attention_impl(pools[layer]) if attention_impl == "auto" else attention_impl
+                caches[layer] = PagedKVCache.from_pages(pools[layer], pages, attention_impl=impl)
+            else:
+                planes, n_tokens = blocks_from_pages(spec, pages)  # name -> [n, H, bs, W]
+                kv = []
+                for name in ("k", "v"):
+                    p = planes[name]
+                    n, heads, size, width = p.shape
+                    kv.append(p.transpose(1, 0, 2, 3).reshape(1, heads, n * size, width)[:, :, :n_tokens])
+                stock = KVCache()
+                stock.state = (kv[0], kv[1], n_tokens)
+                caches[layer] = stock.to_quantized(group_size, bits) if cache_kind == "quantized" else stock
+        for name, view in zip(attachment_names, views[len(digests):]):
+            index = int(name.split(".", 1)[1])
+            caches[index] = decode_attachment(view)
+        mx.eval([c.state for c in caches])
+    restored = sum(len(b.tokens) for b in blocks)
+    return Restored(caches, restored, len(blocks), nbytes,
+                    "checkpoint" if ckpt is not None else "prefix",
+                    ckpt.name if ckpt is not None else None)
+
+
+__all__ = ["Restored", "restore", "check_pools", "find_checkpoint"]

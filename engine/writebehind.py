@@ -1,0 +1,143 @@
+"""WriteBehindPublisher: publishing that never blocks decode.
+
+The caller captures (engine.publish.capture: a host copy of the pages, so the live
+cache may change at once) and submits; one worker thread uploads captures in order.
+The queue is capped in bytes of pinned captures. Over the cap, the oldest capture
+not in flight is dropped (the new one included, if it is the oldest left): a drop
+means a future cache miss, never a wrong result, because nothing of a dropped capture
+reaches the store. Upload failures are counted and logged, never raised into
+generation. drain() waits for the queue to empty (shutdown).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+from engine.publish import DEFAULT_NAMESPACE, Capture, PublishResult, upload
+
+log = logging.getLogger(__name__)
+DEFAULT_CAPACITY_NBYTES = 256 << 20
+
+
+@dataclass
+class _Job:
+    capture: Capture
+    namespace: str
+    checkpoint: str | None
+    metadata: dict | None
+
+    @property
+    def nbytes(self) -> int:
+        return self.capture.nbytes
+
+
+class WriteBehindPublisher:
+    def __init__(self, store, *, capacity_nbytes: int = DEFAULT_CAPACITY_NBYTES,
+                 namespace: str = DEFAULT_NAMESPACE):
+        if capacity_nbytes <= 0:
+            raise ValueError("capacity_nbytes must be positive")
+        self.store = store
+        self.capacity_nbytes = capacity_nbytes
+        self.namespace = namespace
+        self._queue: deque[_Job] = deque()
+        self._in_flight: _Job | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self.published = self.dropped = self.failed = 0
+        self.dropped_nbytes = 0
+        self.last_error: str | None = None
+        self.last_result: PublishResult | None = None
+        self._worker = threading.Thread(target=self._run, name="kvstore-write-behind", daemon=True)
+        self._worker.start()
+
+    # -- producer side -------------------------------------------------------------
+    def submit(self, capture: Capture, *, checkpoint: str | None = None,
+               metadata: dict | None = None, namespace: str | None = None) -> bool:
+        """Queue a capture; returns False when it was dropped at once (cap or closed)."""
+        job = _Job(capture, namespace or self.namespace, checkpoint, metadata)
+        with self._cond:
+            if self._closed:
+                self._drop(job, "publisher is closed")
+                return False
+            self._queue.append(job)
+            while self._pinned_nbytes() > self.capacity_nbytes and self._queue:
+                self._drop(self._queue.popleft(), "queue over its byte cap")
+            accepted = bool(self._queue) and self._queue[-1] is job
+            self._cond.notify_all()
+            return accepted
+
+    def _drop(self, job: _Job, why: str) -> None:
+        self.dropped += 1
+        self.dropped_nbytes += job.nbytes
+        log.info("write-behind dropped a capture of %d tokens (%d bytes): %s",
+                 len(job.capture.tokens), job.nbytes, why)
+
+    def _pinned_nbytes(self) -> int:
+        queued = sum(j.nbytes for j in self._queue)
+        return queued + (self._in_flight.nbytes if self._in_flight is not None else 0)
+
+    # -- worker --------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                job = self._in_flight = self._queue.popleft()
+            try:
+                result = upload(self.store, job.capture, namespace=job.namespace,
+                                checkpoint=job.checkpoint, metadata=job.metadata)
+            except Exception as exc:  # noqa: BLE001 - never raised into generation
+                with self._cond:
+                    self.failed += 1
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("write-behind publish failed: %s", self.last_error)
+            else:
+                with self._cond:
+                    self.published += 1
+                    self.last_result = result
+            finally:
+                with self._cond:
+                    self._in_flight = None
+                    self._cond.notify_all()
+
+    # -- lifecycle -----------------------------------------------------------------
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every queued capture is published or failed. True if empty."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and self._in_flight is None, timeout)
+
+    def close(self, *, drain: bool = True, timeout: float | None = None) -> None:
+        if drain:
+            self.drain(timeout)
+        with self._cond:
+            self._closed = True
+            for job in self._queue:
+                self._drop(job, "publisher closed before it was sent")
+            self._queue.clear()
+            self._cond.notify_all()
+        self._worker.join(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def stats(self) -> dict:
+        with self._cond:
+            return {
+                "queued_items": len(self._queue),
+                "in_flight": self._in_flight is not None,
+                "pinned_nbytes": self._pinned_nbytes(),
+                "capacity_nbytes": self.capacity_nbytes,
+                "published": self.published,
+                "dropped": self.dropped,
+                "dropped_nbytes": self.dropped_nbytes,
+                "failed": self.failed,
+                "last_error": self.last_error,
+            }
