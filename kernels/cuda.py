@@ -23,54 +23,94 @@ from kernels import direct
 HEADER = r"""
 #define KV_NEG_INF (-cuda::std::numeric_limits<float>::infinity())
 
-// N consecutive elements of a native dtype -> floats (N * sizeof(T) is a multiple of 16).
-template <int N, typename T>
-__device__ __forceinline__ void kv_native(const T* __restrict__ src, float* dst) {
-  constexpr int WORDS = N * sizeof(T) / 16;
-  uint4 raw[WORDS];
-  const uint4* s = reinterpret_cast<const uint4*>(src);
+// Page data of UNROLL tokens for one lane, kept raw (as loaded) so that the loads issued
+// for the next step never wait; turned into floats only where the math uses them.
+template <int U, int DPL, int D, typename T>
+struct NativeRaw {
+  static constexpr int WORDS = DPL * sizeof(T) / 16;
+  uint4 k[U][WORDS], v[U][WORDS];
+  __device__ __forceinline__ void load(int u, const T* __restrict__ kc, const T* __restrict__ vc,
+                                       size_t at, int sub) {
+    const uint4* kp = reinterpret_cast<const uint4*>(kc + at * D + sub * DPL);
+    const uint4* vp = reinterpret_cast<const uint4*>(vc + at * D + sub * DPL);
 #pragma unroll
-  for (int i = 0; i < WORDS; ++i) raw[i] = __ldg(s + i);
-  const T* vals = reinterpret_cast<const T*>(raw);
+    for (int w = 0; w < WORDS; ++w) { k[u][w] = __ldg(kp + w); v[u][w] = __ldg(vp + w); }
+  }
+  __device__ __forceinline__ void clear(int u) {
 #pragma unroll
-  for (int i = 0; i < N; ++i) dst[i] = static_cast<float>(vals[i]);
+    for (int w = 0; w < WORDS; ++w) { k[u][w] = make_uint4(0, 0, 0, 0); v[u][w] = make_uint4(0, 0, 0, 0); }
+  }
+  __device__ __forceinline__ float key(int u, int d) const {
+    return static_cast<float>(reinterpret_cast<const T*>(k[u])[d]);
+  }
+  __device__ __forceinline__ float score(int u, float dot, float q_sum) const { return dot; }
+  __device__ __forceinline__ float value(int u, int d) const {
+    return static_cast<float>(reinterpret_cast<const T*>(v[u])[d]);
+  }
+};
+
+// Codes of BITS bits: element 2j in the low nibble of byte j for 4 bits, so nibble i of a
+// 32-bit word is element i. DPL dims of one lane lie in one quantization group.
+template <int BITS>
+__device__ __forceinline__ float kv_code(const unsigned int* w, int i) {
+  constexpr int PER = 32 / BITS;
+  return static_cast<float>((w[i / PER] >> (BITS * (i % PER))) & ((1u << BITS) - 1u));
 }
 
-// Raw codes of N elements of BITS bits: N * BITS / 32 words (element 2j in the low nibble
-// of byte j for 4 bits, so nibble i of a word is element i).
-template <int N, int BITS>
-struct KvCodes {
-  static constexpr int WORDS = N * BITS / 32;
-  unsigned int w[WORDS];
-  __device__ __forceinline__ void load(const uint8_t* __restrict__ src) {
-    if constexpr (WORDS == 4) {
-      uint4 r = __ldg(reinterpret_cast<const uint4*>(src)); w[0] = r.x; w[1] = r.y; w[2] = r.z; w[3] = r.w;
-    } else if constexpr (WORDS == 2) {
-      uint2 r = __ldg(reinterpret_cast<const uint2*>(src)); w[0] = r.x; w[1] = r.y;
-    } else {
-      w[0] = __ldg(reinterpret_cast<const unsigned int*>(src));
-    }
+template <int N>
+__device__ __forceinline__ void kv_load_words(unsigned int* w, const uint8_t* __restrict__ src) {
+  if constexpr (N == 4) {
+    uint4 r = __ldg(reinterpret_cast<const uint4*>(src)); w[0] = r.x; w[1] = r.y; w[2] = r.z; w[3] = r.w;
+  } else if constexpr (N == 2) {
+    uint2 r = __ldg(reinterpret_cast<const uint2*>(src)); w[0] = r.x; w[1] = r.y;
+  } else {
+    w[0] = __ldg(reinterpret_cast<const unsigned int*>(src));
   }
-  __device__ __forceinline__ void clear() {
+}
+
+template <int U, int DPL, int D, int KB, int VB, int G>
+struct PackedRaw {
+  static constexpr int KW = DPL * KB / 32, VW = DPL * VB / 32;
+  unsigned int k[U][KW], v[U][VW];
+  float ks[U], ko[U], vs[U], vo[U];
+  __device__ __forceinline__ void load(int u, const uint8_t* __restrict__ kc, const float* __restrict__ ksp,
+                                       const float* __restrict__ kop, const uint8_t* __restrict__ vc,
+                                       const float* __restrict__ vsp, const float* __restrict__ vop,
+                                       size_t at, int sub) {
+    kv_load_words<KW>(k[u], kc + at * (D * KB / 8) + sub * (DPL * KB / 8));
+    kv_load_words<VW>(v[u], vc + at * (D * VB / 8) + sub * (DPL * VB / 8));
+    const size_t g = at * (D / G) + (sub * DPL) / G;
+    ks[u] = __ldg(ksp + g); ko[u] = __ldg(kop + g); vs[u] = __ldg(vsp + g); vo[u] = __ldg(vop + g);
+  }
+  __device__ __forceinline__ void clear(int u) {
 #pragma unroll
-    for (int i = 0; i < WORDS; ++i) w[i] = 0u;
+    for (int w = 0; w < KW; ++w) k[u][w] = 0u;
+#pragma unroll
+    for (int w = 0; w < VW; ++w) v[u][w] = 0u;
+    ks[u] = 0.f; ko[u] = 0.f; vs[u] = 0.f; vo[u] = 0.f;
   }
-  __device__ __forceinline__ float operator[](int i) const {
-    constexpr int PER = 32 / BITS;
-    return static_cast<float>((w[i / PER] >> (BITS * (i % PER))) & ((1u << BITS) - 1u));
+  __device__ __forceinline__ float key(int u, int d) const { return kv_code<KB>(k[u], d); }
+  // q . (code * scale + offset) = scale * (q . code) + offset * sum(q)
+  __device__ __forceinline__ float score(int u, float dot, float q_sum) const {
+    return fmaf(ks[u], dot, ko[u] * q_sum);
+  }
+  __device__ __forceinline__ float value(int u, int d) const {
+    return fmaf(kv_code<VB>(v[u], d), vs[u], vo[u]);
   }
 };
 """
 
 # The split kernel body. Per-call scalars arrive in one int32 array `meta` (one host->device
 # transfer per call): rows, L, split_tokens, window, first_key, row_chunks, scale (float
-# bits), then the B context lengths.
+# bits), then the B context lengths. {raw} / {load} are filled per layout kind.
 SPLIT_BODY = r"""
   constexpr int GW = D / DPL;            // lanes per lane group
   constexpr int GPW = 32 / GW;           // lane groups per warp
   constexpr int WARP_TOKENS = GPW * UNROLL;
+  constexpr int STEP = NUM_WARPS * WARP_TOKENS;
   constexpr int NGROUPS = NUM_WARPS * GPW;
   constexpr float LOG2E = 1.4426950408889634f;
+  using Raw = {raw};
 
   const int rows_total = meta[0];
   const int num_queries = meta[1];
@@ -85,7 +125,7 @@ SPLIT_BODY = r"""
   const int head = blockIdx.y / row_chunks;
   const int chunk = blockIdx.y % row_chunks;
   const int batch = blockIdx.z;
-  const int num_kv_heads = KV_HEADS_OF;
+  const int num_kv_heads = kc_shape[1];
   const int table_width = block_tables_shape[1];
 
   const int lane = threadIdx.x & 31;
@@ -96,6 +136,13 @@ SPLIT_BODY = r"""
   const int context = meta[7 + batch];
   const int start = first_key + split * split_tokens;
   const int stop = min(context, start + split_tokens);
+
+  // this split's block-table entries, so page addresses never wait on a global load
+  __shared__ int sh_table[TABLE_CAP];
+  const int first_block = start / BLOCK_SIZE;
+  for (int e = threadIdx.x; first_block + e <= (stop - 1) / BLOCK_SIZE && e < TABLE_CAP; e += NUM_WARPS * 32)
+    sh_table[e] = block_tables[batch * table_width + first_block + e];
+  __syncthreads();
 
   // queries of this block's rows, this lane's DPL dims, rotated if ROTATE, log2 domain
   float q[ROWS][DPL];
@@ -141,32 +188,35 @@ SPLIT_BODY = r"""
     for (int d = 0; d < DPL; ++d) acc[i][d] = 0.f;
   }
 
-  for (int base = start + warp * WARP_TOKENS; base < stop; base += NUM_WARPS * WARP_TOKENS) {
+  // software pipeline: the raw pages of step n+1 are requested before step n's math
+  Raw cur, nxt;
+  int base = start + warp * WARP_TOKENS;
+#define KV_FETCH(RAW, BASE)                                                              \
+  _Pragma("unroll") for (int u = 0; u < UNROLL; ++u) {                                   \
+    const int j = (BASE) + (lane / GW) * UNROLL + u;                                     \
+    if (j < stop) {                                                                      \
+      const int e = j / BLOCK_SIZE - first_block;                                        \
+      const int block = e < TABLE_CAP ? sh_table[e]                                      \
+                                      : block_tables[batch * table_width + j / BLOCK_SIZE]; \
+      const size_t at = ((size_t)block * num_kv_heads + head) * BLOCK_SIZE + (j % BLOCK_SIZE); \
+      RAW.load(u, {load_args}, at, sub);                                                 \
+    } else {                                                                             \
+      RAW.clear(u);                                                                      \
+    }                                                                                    \
+  }
+  KV_FETCH(cur, base)
+  for (; base < stop; base += STEP) {
+    KV_FETCH(nxt, base + STEP)
     const int t0 = base + (lane / GW) * UNROLL;
     float s[UNROLL][ROWS];
-    bool live[UNROLL];
-    {declare_raw}
-    // issue every load of the UNROLL tokens (K, V and their scales) before any math
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int j = t0 + u;
-      live[u] = j < stop;
-      if (live[u]) {
-        const int block = block_tables[batch * table_width + j / BLOCK_SIZE];
-        const size_t at = ((size_t)block * num_kv_heads + head) * BLOCK_SIZE + (j % BLOCK_SIZE);
-        {load_raw}
-      } else {
-        {clear_raw}
-      }
-    }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
 #pragma unroll
       for (int i = 0; i < ROWS; ++i) {
         float dot = 0.f;
 #pragma unroll
-        for (int d = 0; d < DPL; ++d) dot = fmaf(q[i][d], {k_elem}, dot);
-        s[u][i] = {k_score};
+        for (int d = 0; d < DPL; ++d) dot = fmaf(q[i][d], cur.key(u, d), dot);
+        s[u][i] = cur.score(u, dot, q_sum[i]);
       }
     }
     // reduce the partial dots over the lane group
@@ -183,7 +233,7 @@ SPLIT_BODY = r"""
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         const int j = t0 + u;
-        bool visible = live[u];
+        bool visible = j < stop;
         if (CAUSAL) visible = visible && j <= q_pos[i];
         if (WINDOWED) visible = visible && j > q_pos[i] - window;
         s[u][i] = visible ? s[u][i] : KV_NEG_INF;
@@ -209,12 +259,14 @@ SPLIT_BODY = r"""
     for (int u = 0; u < UNROLL; ++u) {
 #pragma unroll
       for (int d = 0; d < DPL; ++d) {
-        const float value = {v_elem};
+        const float value = cur.value(u, d);
 #pragma unroll
         for (int i = 0; i < ROWS; ++i) acc[i][d] = fmaf(s[u][i], value, acc[i][d]);
       }
     }
+    cur = nxt;
   }
+#undef KV_FETCH
 
   // merge the lane groups of this block through shared memory
   __shared__ float sh_m[NGROUPS][ROWS];
@@ -251,42 +303,15 @@ SPLIT_BODY = r"""
   }
 """
 
-# Raw page data per unrolled token, by layout kind.
-NATIVE = dict(
-    declare_raw="float kr[UNROLL][DPL], vr[UNROLL][DPL];",
-    load_raw="kv_native<DPL>(kc + at * D + sub * DPL, kr[u]); kv_native<DPL>(vc + at * D + sub * DPL, vr[u]);",
-    clear_raw="for (int d = 0; d < DPL; ++d) { kr[u][d] = 0.f; vr[u][d] = 0.f; }",
-    k_elem="kr[u][d]",
-    k_score="dot",
-    v_elem="vr[u][d]",
-)
-PACKED = dict(
-    declare_raw=(
-        "KvCodes<DPL, K_BITS> kr[UNROLL]; KvCodes<DPL, V_BITS> vr[UNROLL];"
-        " float k_scale[UNROLL], k_offset[UNROLL], v_scale[UNROLL], v_offset[UNROLL];"
-    ),
-    load_raw=(
-        "kr[u].load(kc + at * (D * K_BITS / 8) + sub * (DPL * K_BITS / 8));"
-        " vr[u].load(vc + at * (D * V_BITS / 8) + sub * (DPL * V_BITS / 8));"
-        " const size_t g = at * (D / GROUP) + (sub * DPL) / GROUP;"
-        " k_scale[u] = __ldg(ks + g); k_offset[u] = __ldg(ko + g);"
-        " v_scale[u] = __ldg(vs + g); v_offset[u] = __ldg(vo + g);"
-    ),
-    clear_raw=(
-        "kr[u].clear(); vr[u].clear();"
-        " k_scale[u] = 0.f; k_offset[u] = 0.f; v_scale[u] = 0.f; v_offset[u] = 0.f;"
-    ),
-    k_elem="kr[u][d]",
-    k_score="fmaf(k_scale[u], dot, k_offset[u] * q_sum[i])",
-    v_elem="fmaf(vr[u][d], v_scale[u], v_offset[u])",
-)
+NATIVE = dict(raw="NativeRaw<UNROLL, DPL, D, KvT>", load_args="kc, vc")
+PACKED = dict(raw="PackedRaw<UNROLL, DPL, D, K_BITS, V_BITS, GROUP>", load_args="kc, ks, ko, vc, vs, vo")
 
 
 def split_source(packed: bool) -> str:
     source = SPLIT_BODY
     for key, text in (PACKED if packed else NATIVE).items():
         source = source.replace("{" + key + "}", text)
-    return source.replace("KV_HEADS_OF", "kc_shape[1]")
+    return source
 
 
 MERGE_BODY = r"""

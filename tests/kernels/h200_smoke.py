@@ -87,8 +87,15 @@ if __name__ == "__main__":
     if "--tune" in sys.argv:
         for tokens in (4096, 32768, 131072):
             print(f"T={tokens}: full call {time_call(tokens):.1f} us; {time_parts(tokens)}", flush=True)
-        for unroll, warps, target in itertools.product((2, 4, 8), (4, 8), (264, 528, 1056)):
+        results = []
+        for unroll, warps, target in itertools.product((1, 2, 4), (4, 8), (264, 528, 1056)):
             direct.UNROLL, direct.NUM_WARPS, direct.TARGET_BLOCKS = unroll, warps, target
+            mid, long = time_call(32768), time_call(131072)
+            results.append((long + mid, f"{unroll},{warps},{target}"))
             print(f"tune unroll={unroll} warps={warps} target_blocks={target}: "
-                  f"32K {time_call(32768):.1f} us, 128K {time_call(131072):.1f} us", flush=True)
+                  f"32K {mid:.1f} us, 128K {long:.1f} us", flush=True)
+        best = min(results)[1]
+        print("BEST", best)
+        if len(sys.argv) > 2:
+            open(sys.argv[2], "w").write(best)
     sys.exit(0 if good else 1)

@@ -185,10 +185,15 @@ def main(argv=None) -> int:
     parser.add_argument("--partition-tokens", type=int, default=1024)
     parser.add_argument("--impl", help="direct implementation (default: dispatch)")
     parser.add_argument("--skip-reference", action="store_true")
+    parser.add_argument("--tuning", help="direct kernel unroll,warps,target_blocks (default: built in)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
 
     on_gpu = mx.default_device() == mx.gpu
+    if args.tuning:
+        from kernels import direct
+
+        direct.UNROLL, direct.NUM_WARPS, direct.TARGET_BLOCKS = map(int, args.tuning.split(","))
     direct_impl = args.impl or default_impl()
     if args.contexts:
         contexts = [int(x) for x in args.contexts.split(",")]
