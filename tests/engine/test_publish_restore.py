@@ -1,0 +1,225 @@
+"""Publish and restore across processes, checkpoints with attachments, refusals, write-behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from engine.attention import installed
+from engine.errors import FormatMismatch
+from engine.models import make_cache, make_pools, model_identity
+from engine.policy import KVPolicy
+from engine.publish import capture, publish
+from engine.restore import restore
+from engine.writebehind import WriteBehindPublisher
+from kvstore.errors import IncompatibleFormat
+from kvstore.store import Store
+from tests.engine.factories import prompt_tokens, tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_ID = "test/tiny"
+
+
+def _run_worker(spec: dict) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "tests.engine.xproc_worker", json.dumps(spec)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# (model type, page format): native must equal recompute exactly; each packed format must
+# equal the same format computed from scratch. gemma3_text has sliding layers, restored
+# from checkpoint attachments.
+CROSS_PROCESS_CASES = [
+    ("llama", "native"), ("llama", "k8v8"), ("llama", "k8v4"), ("llama", "k4v4"),
+    ("gemma3_text", "native"), ("gemma3_text", "k4v4"),
+]
+
+
+@pytest.mark.parametrize("model_type,page_format", CROSS_PROCESS_CASES)
+def test_cross_process_restore_equals_recompute(tmp_path, model_type, page_format):
+    model = tiny_model(model_type, mx.bfloat16)
+    weights = tmp_path / "weights.safetensors"
+    model.save_weights(str(weights))
+    shared = prompt_tokens(1500, seed=3).tolist()
+    common = {"model_type": model_type, "dtype": "bfloat16", "weights": str(weights),
+              "format": page_format, "block_size": 64, "store": str(tmp_path / "store")}
+    published = _run_worker({**common, "role": "publish", "prompt": shared})
+    assert published["blocks"] == -(-1500 // 64)
+    suffix = prompt_tokens(40, seed=4).tolist()
+    result = _run_worker({**common, "role": "restore", "prompt": shared + suffix, "generate": 32})
+    if model_type == "llama":
+        assert result["source"] == "prefix"
+        assert result["tokens_restored"] == 1500  # 23 full blocks + the 28-token partial block
+    else:
+        assert result["source"] == "checkpoint"
+        assert result["tokens_restored"] == 1500  # exactly the checkpoint, never partway
+    assert len(result["got"]) == 32
+    assert result["got"] == result["want"]
+
+
+def _prefilled(model, policy, tokens):
+    cache = make_cache(model, policy, model_id=MODEL_ID)
+    with installed(model):
+        mx.eval(model(mx.array([tokens]), cache=cache))
+    return cache
+
+
+def test_partial_match_restores_only_shared_blocks(tmp_path):
+    model = tiny_model("llama", mx.bfloat16)
+    policy = KVPolicy(block_size_tokens=16)
+    first = prompt_tokens(100, seed=5).tolist()
+    with Store(tmp_path / "s") as store:
+        publish(store, model_identity(model, policy, model_id=MODEL_ID), first,
+                _prefilled(model, policy, first))
+        other = first[:50] + prompt_tokens(60, seed=6).tolist()  # shares 3 full blocks (48 tokens)
+        restored = restore(model, other, store, model_id=MODEL_ID, policy=policy)
+        assert restored.tokens_restored == 48 and restored.blocks == 3
+        assert restored.cache[0].size() == 48
+
+
+def test_incompatible_checkpoint_is_refused_before_allocation(tmp_path):
+    model = tiny_model("llama", mx.bfloat16)
+    native, packed = KVPolicy(block_size_tokens=16), KVPolicy(default_format="k4v4", block_size_tokens=16)
+    tokens = prompt_tokens(64, seed=7).tolist()
+    with Store(tmp_path / "s") as store:
+        publish(store, model_identity(model, native, model_id=MODEL_ID), tokens,
+                _prefilled(model, native, tokens), checkpoint="c")
+        pools = make_pools(model, packed, model_id=MODEL_ID)
+        blocks_before = [p.num_blocks for p in pools if p]
+        used_before = [p.num_used_blocks for p in pools if p]
+        mx.eval(mx.zeros(1))
+        active_before = mx.get_active_memory()
+        with pytest.raises(IncompatibleFormat) as info:
+            restore(model, tokens + [1], store, model_id=MODEL_ID, policy=packed, pools=pools,
+                    checkpoint="c")
+        fields = {path for path, _, _ in info.value.diff}
+        assert "layers[0].page_format" in fields and "layers[0].rotation" in fields
+        assert [p.num_blocks for p in pools if p] == blocks_before
+        assert [p.num_used_blocks for p in pools if p] == used_before
+        assert mx.get_active_memory() <= active_before
+
+
+def test_pools_of_another_format_are_refused_with_diff(tmp_path):
+    model = tiny_model("llama", mx.bfloat16)
+    native, packed = KVPolicy(block_size_tokens=16), KVPolicy(default_format="k8v8", block_size_tokens=16)
+    with Store(tmp_path / "s") as store:
+        pools = make_pools(model, packed, model_id=MODEL_ID)
+        with pytest.raises(IncompatibleFormat) as info:
+            restore(model, [1, 2, 3], store, model_id=MODEL_ID, policy=native, pools=pools)
+        assert any(path.endswith("page_format") for path, _, _ in info.value.diff)
+        assert all(p.num_used_blocks == 0 for p in pools if p)
+
+
+def test_packed_restore_is_byte_identical_to_published_pages(tmp_path):
+    model = tiny_model("llama", mx.bfloat16)
+    policy = KVPolicy(default_format="k4v4", block_size_tokens=16)
+    tokens = prompt_tokens(70, seed=8).tolist()
+    identity = model_identity(model, policy, model_id=MODEL_ID)
+    cache = _prefilled(model, policy, tokens)
+    before = capture(identity, tokens, cache)
+    with Store(tmp_path / "s") as store:
+        publish(store, identity, tokens, cache)
+        restored = restore(model, tokens + [0], store, model_id=MODEL_ID, policy=policy)
+        assert restored.tokens_restored == 70
+        after = capture(identity, tokens, restored.cache)
+    for a, b in zip(before.layers, after.layers):
+        for i in range(-(-70 // 16)):
+            assert a.page(i) == b.page(i)
+
+
+@pytest.mark.parametrize("kind", ["kvcache", "quantized"])
+def test_restore_into_stock_caches_matches_stock_recompute(tmp_path, kind):
+    model = tiny_model("llama", mx.bfloat16)
+    policy = KVPolicy(block_size_tokens=16)
+    tokens = prompt_tokens(90, seed=9).tolist()
+    prompt = tokens + prompt_tokens(5, seed=10).tolist()
+    # publish from a stock KVCache: users without the paged engine benefit too
+    stock = [KVCache() for _ in model.layers]
+    mx.eval(model(mx.array([tokens]), cache=stock))
+    with Store(tmp_path / "s") as store:
+        publish(store, model_identity(model, policy, model_id=MODEL_ID), tokens, stock)
+        restored = restore(model, prompt, store, model_id=MODEL_ID, policy=policy, cache_kind=kind)
+    assert restored.tokens_restored == 90
+    expected_type = KVCache if kind == "kvcache" else QuantizedKVCache
+    assert all(type(c) is expected_type for c in restored.cache)
+    # Recompute the way mlx-lm does with kv_bits (generate_step's maybe_quantize_kv_cache):
+    # prefill natively, then KVCache.to_quantized. A QuantizedKVCache from the first token
+    # is a different computation (later layers see quantized attention), not a reference.
+    # Same chunking (90 tokens, then 5), so the only possible difference is the restored
+    # state: tolerance 0.
+    fresh = [KVCache() for _ in model.layers]
+    mx.eval(model(mx.array([prompt[:90]]), cache=fresh))
+    if kind == "quantized":
+        fresh = [c.to_quantized(group_size=64, bits=8) for c in fresh]
+    for ours, theirs in zip(restored.cache, fresh):
+        assert ours.offset == theirs.offset == 90
+        for a, b in zip(_leaves(ours.state), _leaves(theirs.state)):
+            assert mx.array_equal(a[..., :90, :], b[..., :90, :]).item()
+    got = model(mx.array([prompt[90:]]), cache=restored.cache)[:, -1]
+    want = model(mx.array([prompt[90:]]), cache=fresh)[:, -1]
+    assert mx.array_equal(got, want).item()
+
+
+def _leaves(state):
+    from mlx.utils import tree_flatten
+    return [v for _, v in tree_flatten(state) if isinstance(v, mx.array)]
+
+
+def test_quantized_kvcache_is_not_published_as_native(tmp_path):
+    model = tiny_model("llama", mx.bfloat16)
+    policy = KVPolicy(block_size_tokens=16)
+    caches = [QuantizedKVCache(group_size=64, bits=8) for _ in model.layers]
+    tokens = prompt_tokens(20, seed=11).tolist()
+    mx.eval(model(mx.array([tokens]), cache=caches))
+    with pytest.raises(FormatMismatch):
+        capture(model_identity(model, policy, model_id=MODEL_ID), tokens, caches)
+
+
+def test_write_behind_drops_under_a_tiny_cap_and_never_serves_wrong_pages(tmp_path):
+    model = tiny_model("llama", mx.bfloat16)
+    policy = KVPolicy(block_size_tokens=16)
+    identity = model_identity(model, policy, model_id=MODEL_ID)
+    prompts = [prompt_tokens(64, seed=20 + i).tolist() for i in range(6)]
+    captures = [capture(identity, p, _prefilled(model, policy, p)) for p in prompts]
+    with Store(tmp_path / "s") as store:
+        publisher = WriteBehindPublisher(store, capacity_nbytes=int(captures[0].nbytes * 1.5))
+        accepted = [publisher.submit(c) for c in captures]
+        assert publisher.drain(timeout=60)
+        stats = publisher.stats()
+        publisher.close()
+        assert stats["dropped"] >= 1 and stats["failed"] == 0
+        assert stats["published"] + stats["dropped"] == len(captures)
+        assert stats["pinned_nbytes"] == 0
+        assert accepted[-1]  # the newest capture is never the oldest in the queue
+        for prompt, cap in zip(prompts, captures):
+            restored = restore(model, prompt + [1], store, model_id=MODEL_ID, policy=policy)
+            if restored.tokens_restored:
+                again = capture(identity, prompt, restored.cache)
+                assert all(a.page(i) == b.page(i) for a, b in zip(cap.layers, again.layers)
+                           for i in range(4))
+
+
+def test_sliding_state_is_never_restored_partway(tmp_path):
+    model = tiny_model("gemma3_text", mx.bfloat16)
+    policy = KVPolicy(block_size_tokens=16)
+    tokens = prompt_tokens(40, seed=30).tolist()
+    with Store(tmp_path / "s") as store:
+        publish(store, model_identity(model, policy, model_id=MODEL_ID), tokens,
+                _prefilled(model, policy, tokens), checkpoint="ring")
+        # shares 32 tokens (2 full blocks) but not the checkpoint's 40: the sliding
+        # layers' rings are only valid at 40, so nothing is restored
+        diverged = tokens[:32] + prompt_tokens(20, seed=31).tolist()
+        assert restore(model, diverged, store, model_id=MODEL_ID, policy=policy).tokens_restored == 0
+        extended = tokens + prompt_tokens(5, seed=32).tolist()
+        restored = restore(model, extended, store, model_id=MODEL_ID, policy=policy)
+        assert (restored.tokens_restored, restored.source, restored.checkpoint) == (40, "checkpoint", "ring")
+        assert all(c.offset == 40 for c in restored.cache)
