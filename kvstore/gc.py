@@ -112,7 +112,7 @@ class GCPlan:
                     n = _delete_page(txn, dbs, c.digest)
                     pages, freed = pages + (1 if n else 0), freed + n
                 return pages, freed, skipped
-            pages, freed, skipped = lmdb.write(sweep, what="GC delete")
+            pages, freed, skipped = lmdb.write(sweep, what="GC delete", buffers=True)
             faults.crash_point("gc_deleted")
             deleted["pages"] += pages
             deleted["freed_nbytes"] += freed

@@ -196,13 +196,18 @@ class LmdbEnv:
             self._adopt_grown_map()
         raise StoreIOError("could not start a read transaction after adopting a grown map")
 
-    def write(self, fn: Callable[[object, dict], T], *, what: str = "write") -> T:
-        """Run fn(txn, dbs) in one durable write transaction (see the module docstring)."""
+    def write(self, fn: Callable[[object, dict], T], *, what: str = "write",
+              buffers: bool = False) -> T:
+        """Run fn(txn, dbs) in one durable write transaction (see the module docstring).
+        With buffers=True, txn.get returns zero-copy views instead of copies: a view is
+        valid only until the next put or delete in the transaction, so fn must finish
+        with each value before it modifies anything. Page values are up to 256 MiB, so
+        paths that only test presence or read a page's header use it."""
         env = self.env
         while True:
             with self._lock.shared():
                 try:
-                    with env.begin(write=True) as txn:
+                    with env.begin(write=True, buffers=buffers) as txn:
                         result = fn(txn, self._dbs)
                         faults.crash_point("index_before_commit")
                     faults.crash_point("index_committed")

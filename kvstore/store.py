@@ -270,7 +270,7 @@ class Store:
         wanted = [PageDigest.coerce(d) for d in digests]
         absent, unreferenced = [], []
         dbs = self._lmdb.dbs
-        with self._lmdb.read() as txn:
+        with self._lmdb.read(buffers=True) as txn:  # presence only: never copy a page
             for d in wanted:
                 if txn.get(d, db=dbs["pages"]) is None:
                     absent.append(d)
@@ -283,7 +283,7 @@ class Store:
                 for d in unreferenced:
                     if txn.get(d, db=dbs["pages"]) is not None:
                         txn.put(d, stamp, db=dbs["page_times"])
-            self._lmdb.write(refresh, what="refreshing page grace times")
+            self._lmdb.write(refresh, what="refreshing page grace times", buffers=True)
         return absent
 
     def put_pages(self, pages: Mapping | Iterable[tuple]) -> PutResult:
@@ -302,7 +302,7 @@ class Store:
         for batch in _batches(checked, PUT_BATCH_NBYTES):
             encoded = [(d, *encode_page(data, self.config.compression)) for d, data in batch]
             n, e, s = self._lmdb.write(lambda txn, dbs: _write_pages(txn, dbs, encoded),
-                                       what="storing pages")
+                                       what="storing pages", buffers=True)
             new, existing, stored_total = new + n, existing + e, stored_total + s
         return PutResult(new, existing, stored_total)
 
@@ -445,7 +445,7 @@ class Store:
                 evicted = _evict_to(txn, dbs, self.config.budget_nbytes).blocks
             return CommitResult(new, existing, evicted)
 
-        result = self._lmdb.write(commit, what="committing blocks")
+        result = self._lmdb.write(commit, what="committing blocks", buffers=True)
         faults.crash_point("acknowledged")
         return result
 
@@ -523,7 +523,7 @@ class Store:
                 _add_ref(txn, dbs, d, 1)
             return record
 
-        result = self._lmdb.write(create, what="creating a checkpoint")
+        result = self._lmdb.write(create, what="creating a checkpoint", buffers=True)
         faults.crash_point("acknowledged")
         return result
 
@@ -556,7 +556,7 @@ class Store:
                 raise NotFound(f"checkpoint {namespace}/{name} does not exist")
             _unpin_checkpoint(txn, dbs, Checkpoint.decode(raw))
             txn.delete(key, db=dbs["checkpoints"])
-        self._lmdb.write(delete, what="deleting a checkpoint")
+        self._lmdb.write(delete, what="deleting a checkpoint", buffers=True)
 
     # -- capacity, stats, maintenance ----------------------------------------------------
     def evict(self, to_nbytes: int) -> EvictionReport:
@@ -568,7 +568,7 @@ class Store:
         def run(txn, dbs):
             self._apply_touches(txn, dbs)
             return _evict_to(txn, dbs, to_nbytes)
-        return self._lmdb.write(run, what="evicting blocks")
+        return self._lmdb.write(run, what="evicting blocks", buffers=True)
 
     def stats(self) -> StoreStats:
         dbs = self._lmdb.dbs
@@ -697,10 +697,11 @@ def _delete_page(txn, dbs, digest: bytes) -> int:
     value = txn.get(digest, db=dbs["pages"])
     if value is None:
         return 0
-    _forget_page_bytes(txn, dbs, value)
+    freed = len(value)
+    _forget_page_bytes(txn, dbs, value)  # reads value before it modifies anything
     txn.delete(digest, db=dbs["pages"])
     txn.delete(digest, db=dbs["page_times"])
-    return len(value)
+    return freed
 
 
 def _raw_nbytes_of(txn, dbs, digest: bytes) -> int:
