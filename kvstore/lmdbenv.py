@@ -134,6 +134,12 @@ class LmdbEnv:
         a tiny map may need it grown (MapFullError): both retry, as write() does."""
         for _ in range(16):
             try:
+                if self.readonly:
+                    # No txn argument: py-lmdb then opens each handle in a read txn it
+                    # really commits. A handle opened in a caller's read-only txn is
+                    # dropped when py-lmdb recycles that txn on exit (it resets, not
+                    # commits, read txns), and every later get() fails with EINVAL.
+                    return {name: env.open_db(name.encode(), create=False) for name in DATABASES}
                 with env.begin(write=not self.readonly) as txn:
                     return {name: env.open_db(name.encode(), txn=txn, create=not self.readonly)
                             for name in DATABASES}
