@@ -1,0 +1,164 @@
+"""Time to first token: restore from the store against full recompute, per page format.
+
+Usage:
+  python -m tools.bench.ttft                    # CPU-scaled 1B-shaped model, 512/2K/8K prompts
+  python -m tools.bench.ttft --quick            # toy model, 256/512 prompts (seconds)
+  python -m tools.bench.ttft --size 1b          # Llama-3.2-1B geometry (for a GPU)
+  python -m tools.bench.ttft --json out.json
+
+For each prompt length and page format, in one run, interleaved:
+  recompute  a fresh paged cache prefills the whole prompt (chunks of 2048, as
+             mlx-lm's generate_step does), then the first token is sampled;
+  restore    restore() the prompt's stored prefix (all but the last token) from an
+             embedded Store published beforehand (untimed), prefill the last token,
+             sample the first token.
+Both end with mx.eval of the first token. Medians over --repeats.
+
+Sizes: "1b" is Llama-3.2-1B's geometry (16 layers, hidden 2048, 32 query / 8 KV heads of
+64, MLP 8192, vocab 128256). On this project's 2-core CPU machines with MLX's reference
+BLAS (2-4 GFLOP/s) one 8K prefill of that model takes hours, so the default CPU size,
+"cpu", keeps its KV geometry (8 KV heads of 64 per layer) and cuts depth and width to
+about 12M parameters; the printed table says which size ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+
+from engine.attention import installed
+from engine.models import make_cache, make_pools, model_identity
+from engine.policy import KVPolicy
+from engine.publish import publish
+from engine.restore import restore
+from kvstore.store import Store
+
+SIZES = {
+    "1b": dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256),
+    "cpu": dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8,
+                num_key_value_heads=8, head_dim=64, intermediate_size=1024, vocab_size=4096),
+    "quick": dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4,
+                  num_key_value_heads=4, head_dim=64, intermediate_size=512, vocab_size=1024),
+}
+PREFILL_STEP = 2048
+MODEL_ID = "bench/ttft"
+
+
+def build_model(size: str):
+    config = dict(model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0,
+                  tie_word_embeddings=True, max_position_embeddings=131072, **SIZES[size])
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    return model, sum(v.size for _, v in tree_flatten(model.parameters()))
+
+
+def first_token(model, tokens: list[int], cache) -> int:
+    for start in range(0, len(tokens) - 1, PREFILL_STEP):
+        chunk = tokens[start : min(start + PREFILL_STEP, len(tokens) - 1)]
+        model(mx.array([chunk]), cache=cache)
+        mx.eval([c.state for c in cache])
+    logits = model(mx.array([tokens[-1:]]), cache=cache)
+    token = mx.argmax(logits[:, -1], axis=-1)
+    mx.eval(token)
+    return token.item()
+
+
+def run(size: str, prompts: list[int], formats: list[str], repeats: int, block_size: int) -> list[dict]:
+    model, params = build_model(size)
+    vocab = SIZES[size]["vocab_size"]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, Store(tmp) as store, installed(model):
+        for fmt in formats:
+            policy = KVPolicy(default_format=fmt, block_size_tokens=block_size)
+            identity = model_identity(model, policy, model_id=MODEL_ID)
+            for length in prompts:
+                tokens = mx.random.randint(0, vocab, (length,), key=mx.random.key(length)).tolist()
+                pools = make_pools(model, policy, model_id=MODEL_ID)
+                cache = make_cache(model, policy, model_id=MODEL_ID, pools=pools)
+                want = first_token(model, tokens, cache)
+                publish(store, identity, tokens[:-1], cache)
+                for c in cache:
+                    c.free()
+                recompute, restored = [], []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    cache = make_cache(model, policy, model_id=MODEL_ID, pools=pools)
+                    got = first_token(model, tokens, cache)
+                    recompute.append(time.perf_counter() - t0)
+                    assert got == want
+                    for c in cache:
+                        c.free()
+                    t0 = time.perf_counter()
+                    result = restore(model, tokens, store, model_id=MODEL_ID, policy=policy,
+                                     pools=pools)
+                    logits = model(mx.array([tokens[result.tokens_restored:]]), cache=result.cache)
+                    token = mx.argmax(logits[:, -1], axis=-1)
+                    mx.eval(token)
+                    restored.append(time.perf_counter() - t0)
+                    assert result.tokens_restored == length - 1, result.tokens_restored
+                    assert token.item() == want, "restored first token differs from recompute"
+                    for c in result.cache:
+                        c.free()
+                rec, res = statistics.median(recompute), statistics.median(restored)
+                rows.append({"size": size, "params": params, "format": fmt, "prompt_tokens": length,
+                             "recompute_s": rec, "restore_s": res, "speedup": rec / res,
+                             "recompute_min_max": [min(recompute), max(recompute)],
+                             "restore_min_max": [min(restored), max(restored)],
+                             "restored_bytes": result.bytes_read, "device": str(mx.default_device())})
+                print(f"  {fmt:>6} {length:>6} tokens: recompute {rec * 1e3:9.1f} ms, "
+                      f"restore {res * 1e3:8.1f} ms, {rec / res:7.1f}x", file=sys.stderr)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| format | prompt tokens | recompute TTFT (median, min-max) | restore TTFT (median, "
+            "min-max) | restored MiB | speedup |\n|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"| {r['format']} | {r['prompt_tokens']} | {r['recompute_s'] * 1e3:.1f} ms "
+            f"({r['recompute_min_max'][0] * 1e3:.1f}-{r['recompute_min_max'][1] * 1e3:.1f}) | "
+            f"{r['restore_s'] * 1e3:.2f} ms ({r['restore_min_max'][0] * 1e3:.2f}-"
+            f"{r['restore_min_max'][1] * 1e3:.2f}) | {r['restored_bytes'] / 2**20:.1f} | "
+            f"{r['speedup']:.1f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--size", choices=sorted(SIZES))
+    parser.add_argument("--prompts", type=int, nargs="+")
+    parser.add_argument("--formats", nargs="+", default=["native", "k8v8", "k8v4", "k4v4"])
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--block-size", type=int, default=256)
+    parser.add_argument("--json", help="write the rows to this file")
+    args = parser.parse_args(argv)
+    size = args.size or ("quick" if args.quick else "cpu")
+    prompts = args.prompts or ([256, 512] if args.quick else [512, 2048, 8192])
+    repeats = args.repeats or (2 if args.quick else 3)
+    rows = run(size, prompts, args.formats, repeats, args.block_size)
+    params = rows[0]["params"] if rows else 0
+    print(f"## Time to first token: store hit vs recompute\n\nmodel: llama-shaped `{size}` "
+          f"({params / 1e6:.1f}M parameters, bf16), device {mx.default_device()}, block "
+          f"{args.block_size} tokens, median of {repeats}\n")
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
