@@ -138,6 +138,14 @@ class PageSpec:
         """Bytes of one full block of this layer in a pool arena."""
         return self.page_nbytes(self.block_size_tokens)
 
+    def num_blocks(self, tokens: int) -> int:
+        """Blocks a sequence of `tokens` tokens occupies in a pool."""
+        return -(-tokens // self.block_size_tokens)
+
+    def storage_nbytes(self, tokens: int) -> int:
+        """Pool bytes of a sequence of `tokens` tokens (whole blocks)."""
+        return self.num_blocks(tokens) * self.block_nbytes
+
     @property
     def rotation(self) -> str:
         return "none" if self.rotation_seed is None else f"{ROTATION_SCHEME}:{self.rotation_seed}"

@@ -50,6 +50,8 @@ def test_bits_per_value_exact_from_nbytes(name, bits):
     cache.update_and_fetch(keys, keys)
     values_stored = 48 * 2 * 256
     assert cache.nbytes * 8 == bits * values_stored
+    assert cache.nbytes == spec.storage_nbytes(48) == spec.storage_nbytes(33)
+    assert spec.num_blocks(48) == 3 and spec.num_blocks(49) == 4 and spec.num_blocks(0) == 0
     # and bf16 / k4v4 is the promised 3.2x
     if name == "k4v4":
         assert bits_per_value(spec_of("native-bf16")) / bits_per_value(spec) == pytest.approx(3.2)

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
@@ -44,6 +46,7 @@ SIZES = {
                   num_key_value_heads=2, head_dim=128, intermediate_size=512, vocab_size=1024),
 }
 PAGED_FORMATS = ("native", "k8v8", "k8v4", "k4v4")
+DECODE_SEGMENT = 4
 
 
 def build_model(size: str, dtype: mx.Dtype):
@@ -53,7 +56,7 @@ def build_model(size: str, dtype: mx.Dtype):
     model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
     model.set_dtype(dtype)
     mx.eval(model.parameters())
-    params = sum(v.size for _, v in __import__("mlx.utils").utils.tree_flatten(model.parameters()))
+    params = sum(v.size for _, v in tree_flatten(model.parameters()))
     return model, params
 
 
@@ -101,14 +104,19 @@ def measure(model, factory, prompt: mx.array, decode: int, step: int) -> dict:
     token = prefill(model, cache, prompt, step).argmax()
     mx.eval(token)
     prefill_s = time.perf_counter() - start
-    start = time.perf_counter()
-    for _ in range(decode):
-        token = model(token[None, None], cache=cache)[0, -1].argmax()
-        mx.eval(token)
-    decode_s = time.perf_counter() - start
+    # Decode in segments of 4 tokens and keep the median rate: the machine may be shared,
+    # and one preempted segment should not move the result.
+    rates = []
+    for first in range(0, decode, DECODE_SEGMENT):
+        count = min(DECODE_SEGMENT, decode - first)
+        start = time.perf_counter()
+        for _ in range(count):
+            token = model(token[None, None], cache=cache)[0, -1].argmax()
+            mx.eval(token)
+        rates.append(count / (time.perf_counter() - start))
     tokens = prompt.size + decode
     per_slot, held = zip(*(slot_nbytes(c) for c in cache), strict=True)
-    return {"prefill_tok_s": prompt.size / prefill_s, "decode_tok_s": decode / decode_s,
+    return {"prefill_tok_s": prompt.size / prefill_s, "decode_tok_s": statistics.median(rates),
             "kv_bytes_per_token": sum(per_slot), "kv_physical_bytes_per_token": sum(held) / tokens}
 
 
