@@ -217,6 +217,13 @@ class PagedKVCache:
         other.dtype = self.dtype
         return other
 
+    def __deepcopy__(self, memo) -> "PagedKVCache":
+        """mlx-lm's LRUPromptCache and evaluate deep-copy caches: a clone is a deep copy
+        here (copy-on-write keeps the two independent) and shares the pool."""
+        return self.clone()
+
+    __copy__ = clone
+
     def snapshot(self) -> "PageSnapshot":
         """Immutable pages of the history as it is now (see PageSnapshot)."""
         return PageSnapshot(self.pool, list(self._blocks), self.offset)

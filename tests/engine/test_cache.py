@@ -256,3 +256,19 @@ def test_routed_caches_skip_the_fallback_history():
         assert keys.shape == (1, 2, 3, 64)
     keys, _ = routed.update_and_fetch(x, x)
     assert keys.shape == (1, 2, 6, 64)
+
+
+def test_deepcopy_is_an_independent_clone_in_the_same_pool():
+    """mlx-lm's LRUPromptCache hands out copy.deepcopy of cached prompt caches."""
+    import copy
+
+    model = tiny_model("llama", mx.bfloat16)
+    with engine.installed(model):
+        cache = make_cache(model, POLICY)
+        logits_of(model, cache, prompt_tokens(20, seed=13))
+        copied = copy.deepcopy(cache)
+        assert copied[0].pool is cache[0].pool and copied[0].block_ids == cache[0].block_ids
+        a = logits_of(model, copied, prompt_tokens(5, seed=14))
+        b = logits_of(model, cache, prompt_tokens(5, seed=14))
+        assert mx.array_equal(a, b).item()
+        assert copied[0].block_ids[1] != cache[0].block_ids[1]  # the partial block was copied
