@@ -6,7 +6,7 @@ exact model id (no globs, no prefixes: "org/model-4bit" is a different model fro
 selects KV precision: nothing here looks at a model's weights or its quantization
 config, only at its id.
 
-TOML form (tomllib, no extra dependency):
+TOML form (tomllib, no extra dependency; KVPolicy.from_toml(text), KVPolicy.load(path)):
 
     default = "native"            # or k8v8, k8v4, k4v4, native-bf16, ...
     block_size_tokens = 128
@@ -99,13 +99,15 @@ class KVPolicy:
                    **kwargs)
 
     @classmethod
-    def from_toml(cls, source: str | Path) -> "KVPolicy":
-        """A policy from TOML text or from a path to a .toml file."""
-        text = Path(source).read_text() if isinstance(source, Path) or (
-            isinstance(source, str) and source.endswith(".toml") and "\n" not in source
-        ) else source
+    def from_toml(cls, text: str) -> "KVPolicy":
+        """A policy from TOML text (see the module docstring)."""
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise InvalidPolicy(f"KV policy is not valid TOML: {exc}") from None
         return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "KVPolicy":
+        """A policy from a TOML file."""
+        return cls.from_toml(Path(path).read_text())

@@ -43,8 +43,8 @@ def test_toml_text_and_file(tmp_path):
     assert policy.format_for("org/model-4bit") == "k4v4"
     path = tmp_path / "kv.toml"
     path.write_text(TOML)
-    assert KVPolicy.from_toml(path) == policy
-    assert KVPolicy.from_toml(str(path)) == policy
+    assert KVPolicy.load(path) == policy
+    assert KVPolicy.load(str(path)) == policy
 
 
 @pytest.mark.parametrize("bad", [
