@@ -185,3 +185,29 @@ def test_specs_from_policy_and_from_identity_are_equal(name):
     ident = format_identity(model.args, policy, model_id="m", model_dtype=mx.bfloat16)
     pools = make_pools(model, policy, model_id="m")
     assert [p.spec for p in pools] == page_specs(ident)
+
+
+# Golden page digests (blake3, first 16 bytes in hex) of a fixed input. The inputs are
+# multiples of 1/4 and the rotation's entries are +-1/8, so every product and partial sum
+# is exact in float32 and the digests do not depend on the summation order of a BLAS.
+# A change here changes what published pages mean: bump the format, do not edit digests.
+GOLDEN = {
+    ("native-bf16", None): ("3191d79b217487a203ec2d8ebbb8c961", "ff05ed91f04f904389f6c8842656efca"),
+    ("k8v4", None): ("bfbd6bbb99005d4d8966748e67f31318", "0619f81da66e2a3ebb665fe647c94a43"),
+    ("k4v4", 0): ("898838c087bc616b4296e01feb38b9e3", "40253d387ccef9fd701b0a47f101647b"),
+    ("k8v8", 0): ("adfc82d4870bd1199c1681d6bc0c2728", "4c85b59b9e2658673ad1f933feb4a18d"),
+}
+
+
+@pytest.mark.parametrize("name,seed", sorted(GOLDEN, key=str))
+def test_golden_page_digests(name, seed):
+    import blake3
+
+    spec = spec_of(name, heads=2, k_dim=64, v_dim=64, block=4, seed=seed)
+    cache = PagedKVCache(BlockPool(spec, 2))
+    x = ((mx.arange(2 * 6 * 64, dtype=mx.float32).reshape(1, 2, 6, 64) % 23 - 11) / 4)
+    x = x.astype(mx.bfloat16)
+    cache.update_and_fetch(x, x * -0.5)
+    pages = cache.snapshot().pages()
+    assert [len(p) for p in pages] == [spec.page_nbytes(4), spec.page_nbytes(2)]
+    assert tuple(blake3.blake3(p).hexdigest()[:32] for p in pages) == GOLDEN[name, seed]
