@@ -44,17 +44,28 @@ struct NativeRaw {
     return static_cast<float>(reinterpret_cast<const T*>(k[u])[d]);
   }
   __device__ __forceinline__ float score(int u, float dot, float q_sum) const { return dot; }
+  static constexpr bool AFFINE = false;
   __device__ __forceinline__ float value(int u, int d) const {
     return static_cast<float>(reinterpret_cast<const T*>(v[u])[d]);
   }
+  __device__ __forceinline__ float value_scale(int u) const { return 1.f; }
+  __device__ __forceinline__ float value_offset(int u) const { return 0.f; }
 };
 
 // Codes of BITS bits: element 2j in the low nibble of byte j for 4 bits, so nibble i of a
 // 32-bit word is element i. DPL dims of one lane lie in one quantization group.
+// Integer codes become floats without I2F (a quarter-rate instruction): the code is placed
+// in the mantissa of 2^23 (0x4B000000) and 2^23 is subtracted, exactly.
 template <int BITS>
 __device__ __forceinline__ float kv_code(const unsigned int* w, int i) {
   constexpr int PER = 32 / BITS;
-  return static_cast<float>((w[i / PER] >> (BITS * (i % PER))) & ((1u << BITS) - 1u));
+  unsigned int bits;
+  if constexpr (BITS == 8) {
+    bits = __byte_perm(w[i / PER], 0x4B000000u, (i % PER) | 0x7440);
+  } else {
+    bits = ((w[i / PER] >> (BITS * (i % PER))) & ((1u << BITS) - 1u)) | 0x4B000000u;
+  }
+  return __int_as_float(bits) - 8388608.f;
 }
 
 template <int N>
@@ -94,9 +105,12 @@ struct PackedRaw {
   __device__ __forceinline__ float score(int u, float dot, float q_sum) const {
     return fmaf(ks[u], dot, ko[u] * q_sum);
   }
-  __device__ __forceinline__ float value(int u, int d) const {
-    return fmaf(kv_code<VB>(v[u], d), vs[u], vo[u]);
-  }
+  // p * (code * scale + offset) = (p * scale) * code + p * offset: the offset term is one
+  // number per token and row, accumulated apart from the head_dim values
+  static constexpr bool AFFINE = true;
+  __device__ __forceinline__ float value(int u, int d) const { return kv_code<VB>(v[u], d); }
+  __device__ __forceinline__ float value_scale(int u) const { return vs[u]; }
+  __device__ __forceinline__ float value_offset(int u) const { return vo[u]; }
 };
 """
 
@@ -110,7 +124,10 @@ SPLIT_BODY = r"""
   constexpr int STEP = NUM_WARPS * WARP_TOKENS;
   constexpr int NGROUPS = NUM_WARPS * GPW;
   constexpr float LOG2E = 1.4426950408889634f;
+  constexpr int N = UNROLL * ROWS;       // partial scores per lane per step
+  constexpr bool XPOSE = GW > 1 && N % GW == 0;
   using Raw = {raw};
+  __shared__ float sh_s[NGROUPS][XPOSE ? N : 1];
 
   const int rows_total = meta[0];
   const int num_queries = meta[1];
@@ -180,10 +197,10 @@ SPLIT_BODY = r"""
     for (int d = 0; d < DPL; ++d) { q[i][d] *= qscale; q_sum[i] += q[i][d]; }
   }
 
-  float m[ROWS], l[ROWS], acc[ROWS][DPL];
+  float m[ROWS], l[ROWS], acc[ROWS][DPL], value_offsets[ROWS];
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) {
-    m[i] = KV_NEG_INF; l[i] = 0.f;
+    m[i] = KV_NEG_INF; l[i] = 0.f; value_offsets[i] = 0.f;
 #pragma unroll
     for (int d = 0; d < DPL; ++d) acc[i][d] = 0.f;
   }
@@ -220,12 +237,37 @@ SPLIT_BODY = r"""
       }
     }
     // reduce the partial dots over the lane group
+    if constexpr (XPOSE) {
+      // transposed butterfly: each level halves the values a lane carries, so GW - 1
+      // shuffles reduce N = GW * C values; lane `sub` ends with values C*sub .. C*sub+C-1,
+      // which the lane group then shares through shared memory
+      float x[N];
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u)
+      for (int e = 0; e < N; ++e) x[e] = s[e / ROWS][e % ROWS];
 #pragma unroll
-      for (int i = 0; i < ROWS; ++i)
+      for (int o = GW / 2, n = N; o >= 1; o >>= 1, n >>= 1) {
+        const bool upper = (sub & o) != 0;
 #pragma unroll
-        for (int o = GW / 2; o > 0; o >>= 1) s[u][i] += __shfl_xor_sync(0xffffffffu, s[u][i], o);
+        for (int k = 0; k < n / 2; ++k) {
+          const float send = upper ? x[k] : x[k + n / 2];
+          const float keep = upper ? x[k + n / 2] : x[k];
+          x[k] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+        }
+      }
+      __syncwarp();
+#pragma unroll
+      for (int k = 0; k < N / GW; ++k) sh_s[group][(N / GW) * sub + k] = x[k];
+      __syncwarp();
+#pragma unroll
+      for (int e = 0; e < N; ++e) s[e / ROWS][e % ROWS] = sh_s[group][e];
+    } else {
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+          for (int o = GW / 2; o > 0; o >>= 1) s[u][i] += __shfl_xor_sync(0xffffffffu, s[u][i], o);
+    }
     // mask, then the online-softmax update over UNROLL tokens at once
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
@@ -247,6 +289,7 @@ SPLIT_BODY = r"""
       const float correction = exp2f(m[i] - chunk_max);
       m[i] = chunk_max;
       l[i] *= correction;
+      value_offsets[i] *= correction;
 #pragma unroll
       for (int d = 0; d < DPL; ++d) acc[i][d] *= correction;
 #pragma unroll
@@ -257,11 +300,17 @@ SPLIT_BODY = r"""
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
+      float weight[ROWS];
+#pragma unroll
+      for (int i = 0; i < ROWS; ++i) {
+        weight[i] = Raw::AFFINE ? s[u][i] * cur.value_scale(u) : s[u][i];
+        if (Raw::AFFINE) value_offsets[i] = fmaf(s[u][i], cur.value_offset(u), value_offsets[i]);
+      }
 #pragma unroll
       for (int d = 0; d < DPL; ++d) {
         const float value = cur.value(u, d);
 #pragma unroll
-        for (int i = 0; i < ROWS; ++i) acc[i][d] = fmaf(s[u][i], value, acc[i][d]);
+        for (int i = 0; i < ROWS; ++i) acc[i][d] = fmaf(weight[i], value, acc[i][d]);
       }
     }
     cur = nxt;
@@ -276,7 +325,7 @@ SPLIT_BODY = r"""
   for (int i = 0; i < ROWS; ++i) {
     if (sub == 0) { sh_m[group][i] = m[i]; sh_l[group][i] = l[i]; }
 #pragma unroll
-    for (int d = 0; d < DPL; ++d) sh_acc[group][i][sub * DPL + d] = acc[i][d];
+    for (int d = 0; d < DPL; ++d) sh_acc[group][i][sub * DPL + d] = acc[i][d] + value_offsets[i];
   }
   __syncthreads();
   for (int e = threadIdx.x; e < ROWS * D; e += NUM_WARPS * 32) {

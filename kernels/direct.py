@@ -24,6 +24,7 @@ kernel launcher would otherwise copy a whole pool plane per call.
 from __future__ import annotations
 
 import math
+import os
 import struct
 from dataclasses import dataclass
 from functools import lru_cache
@@ -41,6 +42,23 @@ MIN_SPLIT_TOKENS = 256
 UNROLL = 4  # tokens a lane group loads before reducing (2 for float32 pages: registers)
 TABLE_CAP = 256  # block-table entries a split block stages in shared memory
 DIMS_PER_LANE = 8  # head_dim values per lane; a lane group is D / DIMS_PER_LANE lanes
+
+
+TUNING_ENV = "KVSTORE_DIRECT_TUNING"
+
+
+def apply_tuning(text: str) -> None:
+    """Set launch parameters from "unroll,warps,target_blocks[,dims_per_lane]" (benchmarks and
+    device tests; $KVSTORE_DIRECT_TUNING is applied at import)."""
+    global UNROLL, NUM_WARPS, TARGET_BLOCKS, DIMS_PER_LANE
+    values = [int(x) for x in text.split(",")]
+    UNROLL, NUM_WARPS, TARGET_BLOCKS = values[:3]
+    if len(values) > 3:
+        DIMS_PER_LANE = values[3]
+
+
+if os.environ.get(TUNING_ENV):
+    apply_tuning(os.environ[TUNING_ENV])
 
 
 def float_bits(value: float) -> int:

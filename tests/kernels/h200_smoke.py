@@ -6,7 +6,6 @@ against the reference, then time k4v4 decode (and its parts) over launch paramet
 
 from __future__ import annotations
 
-import itertools
 import statistics
 import sys
 import time
@@ -88,11 +87,12 @@ if __name__ == "__main__":
         for tokens in (4096, 32768, 131072):
             print(f"T={tokens}: full call {time_call(tokens):.1f} us; {time_parts(tokens)}", flush=True)
         results = []
-        for unroll, warps, target in itertools.product((1, 2, 4), (4, 8), (264, 528, 1056)):
-            direct.UNROLL, direct.NUM_WARPS, direct.TARGET_BLOCKS = unroll, warps, target
+        for tuning in ("2,4,264,8", "4,4,264,8", "4,4,528,8", "2,8,264,8", "2,4,264,16",
+                       "2,4,528,16", "4,4,264,16", "1,4,264,16"):
+            direct.apply_tuning(tuning)
             mid, long = time_call(32768), time_call(131072)
-            results.append((long + mid, f"{unroll},{warps},{target}"))
-            print(f"tune unroll={unroll} warps={warps} target_blocks={target}: "
+            results.append((long + mid, tuning))
+            print(f"tune {tuning} (unroll,warps,target_blocks,dims_per_lane): "
                   f"32K {mid:.1f} us, 128K {long:.1f} us", flush=True)
         best = min(results)[1]
         print("BEST", best)

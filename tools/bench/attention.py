@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     parser.add_argument("--partition-tokens", type=int, default=1024)
     parser.add_argument("--impl", help="direct implementation (default: dispatch)")
     parser.add_argument("--skip-reference", action="store_true")
-    parser.add_argument("--tuning", help="direct kernel unroll,warps,target_blocks (default: built in)")
+    parser.add_argument("--tuning", help="direct kernel unroll,warps,target_blocks[,dims_per_lane]")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
 
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     if args.tuning:
         from kernels import direct
 
-        direct.UNROLL, direct.NUM_WARPS, direct.TARGET_BLOCKS = map(int, args.tuning.split(","))
+        direct.apply_tuning(args.tuning)
     direct_impl = args.impl or default_impl()
     if args.contexts:
         contexts = [int(x) for x in args.contexts.split(",")]
