@@ -272,3 +272,13 @@ def test_deepcopy_is_an_independent_clone_in_the_same_pool():
         b = logits_of(model, cache, prompt_tokens(5, seed=14))
         assert mx.array_equal(a, b).item()
         assert copied[0].block_ids[1] != cache[0].block_ids[1]  # the partial block was copied
+
+
+def test_generate_step_kv_bits_leaves_paged_layers_alone():
+    """KV precision is the policy's business: mlx-lm's kv_bits must not convert pages."""
+    model = tiny_model("llama", mx.bfloat16)
+    cache = make_cache(model, POLICY)
+    with engine.installed(model):
+        list(generate_step(prompt_tokens(20), model, prompt_cache=cache, max_tokens=4,
+                           kv_bits=4, quantized_kv_start=0))
+    assert all(type(c) is PagedKVCache and c.spec.format.name == "native-bf16" for c in cache)
