@@ -1,0 +1,161 @@
+"""export / import: byte-identical round trips, refusals that write nothing, mlx-lm files."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from kvstore.store import Store
+from tests.tools.helpers import IDENTITY, build_store, run
+from tools.commands.common import EXIT_INCOMPATIBLE, EXIT_OK
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    root = tmp_path_factory.mktemp("transfer")
+    saved = build_store(root / "store")
+    out = root / "system-prompt.safetensors"
+    assert run("export", "default/system-prompt", out, "-d", root / "store").code == EXIT_OK
+    return root / "store", saved, out
+
+
+def store_is_empty(path) -> bool:
+    if not (path / "data.mdb").exists():
+        return True
+    with Store(path) as store:
+        s = store.stats()
+    return (s.page_count, s.block_count, s.checkpoint_count, s.format_count) == (0, 0, 0, 0)
+
+
+def test_round_trip_is_byte_identical(source, tmp_path):
+    src, saved, first = source
+    dst = tmp_path / "other"
+    ran = run("import", first, "--json", "-d", dst)
+    assert ran.code == EXIT_OK, ran.stderr
+    assert ran.json()["new_pages"] == ran.json()["pages"] == 18
+    second = tmp_path / "again.safetensors"
+    assert run("export", "system-prompt", second, "-d", dst).code == EXIT_OK
+    assert first.read_bytes() == second.read_bytes()
+    records = saved["system-prompt"].records
+    digests = [d for r in records for d in r.pages]
+    with Store(src) as a, Store(dst) as b:
+        assert a.read_pages(digests) == b.read_pages(digests)
+        assert a.get_checkpoint("default", "system-prompt").chain_keys == \
+            b.get_checkpoint("default", "system-prompt").chain_keys
+        match = b.lookup_prefix(IDENTITY.format_id, "default", list(range(40)))
+        assert match.tokens_matched == 40
+    assert run("check", "--read-data", "-d", dst).code == EXIT_OK
+    again = run("import", first, "--replace", "--json", "-d", dst).json()
+    assert again["new_pages"] == 0 and again["new_blocks"] == 0, "re-import must dedup"
+
+
+def test_file_reads_with_plain_safetensors(source):
+    _, saved, path = source
+    tensors = load_file(str(path))
+    records = saved["system-prompt"].records
+    assert tensors["tokens"].tolist() == list(range(40))
+    assert tensors["block_table"].shape == (10, 2, 32)
+    assert bytes(tensors["block_table"][3, 1]) == bytes(records[3].pages[1])
+    with Store(source[0]) as store:
+        page = store.read_pages([records[3].pages[1]])[0]
+    assert tensors["page/" + records[3].pages[1].hex()].tobytes() == page
+    header_len = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    meta = json.loads(path.read_bytes()[8 : 8 + header_len])["__metadata__"]
+    assert meta["kvstore.format_id"] == IDENTITY.format_id_hex
+    assert json.loads(meta["kvstore.format_identity"]) == IDENTITY.to_dict()
+    assert json.loads(meta["kvstore.manifest"])["name"] == "system-prompt"
+
+
+def rewrite(src, dst, *, tensors=None, metadata=None):
+    """Re-save an export with changed tensors or metadata through plain safetensors."""
+    data = load_file(str(src))
+    header_len = struct.unpack("<Q", src.read_bytes()[:8])[0]
+    meta = json.loads(src.read_bytes()[8 : 8 + header_len])["__metadata__"]
+    data.update(tensors or {})
+    meta.update(metadata or {})
+    save_file({k: v for k, v in data.items() if v is not None}, str(dst), metadata=meta)
+    return dst
+
+
+def damaged_files(path, saved, tmp):
+    records = saved["system-prompt"].records
+    name = "page/" + records[2].pages[0].hex()
+    page = load_file(str(path))[name].copy()
+    page[7] ^= 0x10
+    identity = json.loads(rewrite_meta(path)["kvstore.format_identity"])
+    identity["block_size_tokens"] = 8
+    truncated = tmp / "truncated.safetensors"
+    truncated.write_bytes(path.read_bytes()[:-100])
+    return {
+        "page bit flip": rewrite(path, tmp / "flip.safetensors", tensors={name: page}),
+        "page missing": rewrite(path, tmp / "missing.safetensors", tensors={name: None}),
+        "newer export version": rewrite(path, tmp / "v9.safetensors", metadata={"kvstore.export_version": "9"}),
+        "identity not its id": rewrite(path, tmp / "ident.safetensors",
+                                       metadata={"kvstore.format_identity": json.dumps(identity)}),
+        "foreign file": _foreign(tmp / "foreign.safetensors"),
+        "tokens edited": rewrite(path, tmp / "tokens.safetensors",
+                                 tensors={"tokens": np.arange(1, 41, dtype=np.uint32)}),
+        "truncated": truncated,
+        "not safetensors": _text(tmp / "text.safetensors"),
+    }
+
+
+def rewrite_meta(path):
+    header_len = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    return json.loads(path.read_bytes()[8 : 8 + header_len])["__metadata__"]
+
+
+def _foreign(path):
+    save_file({"weight": np.zeros(4, dtype=np.float32)}, str(path), metadata={"format": "pt"})
+    return path
+
+
+def _text(path):
+    path.write_text("hello")
+    return path
+
+
+def test_import_refuses_corrupt_or_incompatible_files_and_writes_nothing(source, tmp_path):
+    _, saved, path = source
+    for label, bad in damaged_files(path, saved, tmp_path).items():
+        dst = tmp_path / f"dst-{label.replace(' ', '-')}"
+        ran = run("import", bad, "-d", dst)
+        assert ran.code == EXIT_INCOMPATIBLE, (label, ran.code, ran.stderr)
+        assert store_is_empty(dst), f"{label}: import wrote into the store"
+        assert run("import", bad, "--verify-only", "-d", dst).code == EXIT_INCOMPATIBLE, label
+
+
+def test_import_into_another_namespace_rechains(source, tmp_path):
+    _, _, path = source
+    dst = tmp_path / "ns"
+    ran = run("import", path, "--namespace", "staging", "--name", "sp2", "--json", "-d", dst)
+    assert ran.code == EXIT_OK and ran.json()["checkpoint"] == "staging/sp2"
+    with Store(dst) as store:
+        ckpt = store.get_checkpoint("staging", "sp2")
+        assert store.lookup_prefix(IDENTITY.format_id, "staging", list(range(40))).tokens_matched == 40
+        assert store.lookup_prefix(IDENTITY.format_id, "default", list(range(40))).tokens_matched == 0
+        assert len(ckpt.chain_keys) == 10
+
+
+def test_mlx_lm_export_loads_in_mlx_lm(source, tmp_path):
+    mx = pytest.importorskip("mlx.core")
+    from mlx_lm.models.cache import load_prompt_cache
+
+    src, saved, _ = source
+    out = tmp_path / "native.safetensors"
+    ran = run("export", "native", out, "--mlx-lm", "--json", "-d", src)
+    assert ran.code == EXIT_OK, ran.stderr
+    caches, meta = load_prompt_cache(str(out), return_metadata=True)
+    assert [type(c).__name__ for c in caches] == ["KVCache", "KVCache"]
+    assert caches[0].offset == 10 and caches[1].keys.shape == (1, 2, 10, 32)
+    # the K plane of block 0, layer 0 is the first half of its page, [heads, tokens, dim] bf16
+    records = saved["native"].records
+    with Store(src) as store:
+        page = store.read_pages([records[0].pages[0]])[0]
+    keys = np.array(caches[0].keys[0, :, :4, :].view(mx.uint16))
+    assert keys.tobytes() == page[: 2 * 4 * 16 * 2]
+    assert meta["kvstore_checkpoint"] == "default/native"
