@@ -29,12 +29,13 @@ from tools.commands.common import (
 )
 
 SUITES = ("store", "http", "ttft", "engine", "attention")
+SUITE_PACKAGE = "tools.bench"  # each suite is SUITE_PACKAGE.<suite>, run with -m
 SuiteOption = typer.Option(None, "--suite", "-s", help=f"run only these ({', '.join(SUITES)}); repeatable")
 OutOption = typer.Option(Path("bench-results"), "--out", "-o", help="directory for <suite>.md")
 
 
 def run_suite(suite: str, quick: bool, out_dir: Path, extra: list[str]) -> dict:
-    argv = [sys.executable, "-m", f"tools.bench.{suite}", *(["--quick"] if quick else []), *extra]
+    argv = [sys.executable, "-m", f"{SUITE_PACKAGE}.{suite}", *(["--quick"] if quick else []), *extra]
     started = time.monotonic()
     done = subprocess.run(argv, capture_output=True, text=True)
     elapsed = time.monotonic() - started
