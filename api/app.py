@@ -1,0 +1,75 @@
+"""create_app: the FastAPI application around one Store.
+
+    create_app(settings=Settings(...))                 opens Store(settings.data_dir)
+    create_app(store_factory=lambda s: Store(...))     opens whatever the factory builds
+    create_app(store=existing_store)                   uses it; the caller closes it
+
+The store is opened in the lifespan (never at import, never before a fork) and
+closed there, unless the caller passed an open one. The middleware stack, outermost
+first: metrics (counts every request, refused ones too), authentication (before
+routing, so every path but /v1/health needs the token when one is set), body limits,
+then FastAPI's routing and the error table of api/errors.py.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import Callable
+
+from fastapi import FastAPI
+
+from api import errors
+from api.auth import AuthMiddleware, TokenTable
+from api.limits import BodyLimitMiddleware
+from api.metrics import Metrics, MetricsMiddleware
+from api.routes import ROUTERS
+from api.settings import Settings
+from kvstore.store import Store, StoreConfig
+
+API_DESCRIPTION = """A content-addressed store of KV-cache pages. Pages are uploaded raw
+(PUT /v1/pages/{digest}) and read in batches as a binary stream (POST /v1/pages/get).
+Send `Authorization: Bearer <token>` on every route but /v1/health when the server has
+tokens. docs/api.md describes the framing, errors and settings."""
+
+
+def open_store(settings: Settings) -> Store:
+    config = StoreConfig(map_nbytes=settings.map_nbytes, max_map_nbytes=settings.max_map_nbytes,
+                         budget_nbytes=settings.budget_nbytes or None)
+    return Store(settings.data_dir, config)
+
+
+def create_app(store: Store | None = None, settings: Settings | None = None, *,
+               store_factory: Callable[[Settings], Store] | None = None) -> FastAPI:
+    settings = settings or Settings()
+    if store is not None and store_factory is not None:
+        raise ValueError("pass a store or a store_factory, not both")
+    tokens = TokenTable.from_settings(settings)
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if store is not None:  # the caller's, already open: used as is, never closed here
+            yield
+            return
+        app.state.store = (store_factory or open_store)(settings)
+        try:
+            yield
+        finally:
+            opened, app.state.store = app.state.store, None
+            opened.close()
+
+    app = FastAPI(title="mlx-kvstore", version="1", description=API_DESCRIPTION,
+                  lifespan=lifespan, redirect_slashes=False)
+    app.state.store = store
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.tokens = tokens
+    for router in ROUTERS:
+        app.include_router(router)
+    errors.install(app)
+    # add_middleware wraps: the last added is the outermost
+    app.add_middleware(BodyLimitMiddleware, max_page_nbytes=settings.max_page_nbytes,
+                       max_json_nbytes=settings.max_json_nbytes)
+    app.add_middleware(AuthMiddleware, tokens=tokens)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return app

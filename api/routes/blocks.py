@@ -1,0 +1,53 @@
+"""Block records: POST commit, POST get, POST has. A token sees only the blocks of its
+namespace: another namespace's block reads exactly as an absent one."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from api.auth import Principal, PrincipalDep
+from api.deps import StoreDep
+from api.schemas import BlockList, CommitBlocks, CommitOut, KeyList, Presence
+from kvstore.errors import NotFound
+from kvstore.ids import ChainKey
+from kvstore.store import Store
+from kvstore.wire import block_from_json, block_to_json
+
+router = APIRouter(prefix="/v1/blocks", tags=["blocks"])
+
+
+@router.post("/commit", response_model=CommitOut)
+def commit_blocks(body: CommitBlocks, store: StoreDep,
+                  principal: PrincipalDep) -> dict:
+    """Atomically add block records, parents before children (409 missing_references
+    names whatever must be uploaded first; nothing is committed then)."""
+    for block in body.blocks:
+        principal.require_namespace(block.namespace)
+    result = store.commit_blocks([block_from_json(b.model_dump()) for b in body.blocks])
+    return {"new": result.new, "existing": result.existing, "evicted_blocks": result.evicted_blocks}
+
+
+def _visible(store: Store, principal: Principal, keys: list[ChainKey]) -> list:
+    """Records for `keys`, or None where absent or in another namespace."""
+    present = store.has_blocks(keys)
+    found = iter(store.get_blocks([k for k, p in zip(keys, present, strict=True) if p]))
+    records = [next(found) if p else None for p in present]
+    return [r if r is not None and principal.may_access(r.namespace) else None for r in records]
+
+
+@router.post("/get", response_model=BlockList)
+def get_blocks(body: KeyList, store: StoreDep,
+               principal: PrincipalDep) -> dict:
+    keys = [ChainKey.parse(k) for k in body.keys]
+    records = _visible(store, principal, keys)
+    for key, record in zip(keys, records, strict=True):
+        if record is None:
+            raise NotFound(f"block {key.hex()} is not stored")
+    return {"blocks": [block_to_json(r) for r in records]}
+
+
+@router.post("/has", response_model=Presence)
+def has_blocks(body: KeyList, store: StoreDep,
+               principal: PrincipalDep) -> Presence:
+    keys = [ChainKey.parse(k) for k in body.keys]
+    return Presence(present=[r is not None for r in _visible(store, principal, keys)])

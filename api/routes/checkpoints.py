@@ -1,0 +1,60 @@
+"""Checkpoints: POST create, GET list, GET one, DELETE one (admin). Addressed as
+/v1/checkpoints/{namespace}/{name}; a token may only name its own namespace."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query
+
+from api.auth import AdminDep, PrincipalDep
+from api.deps import StoreDep
+from api.schemas import (
+    NAME_PATTERN,
+    NAMESPACE_PATTERN,
+    CheckpointCreate,
+    CheckpointList,
+    CheckpointOut,
+)
+from kvstore.wire import checkpoint_from_json, checkpoint_to_json
+
+router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"])
+NamespacePath = Annotated[str, Path(pattern=NAMESPACE_PATTERN, max_length=64)]
+NamePath = Annotated[str, Path(pattern=NAME_PATTERN, max_length=128)]
+NamespaceQuery = Annotated[str | None, Query(pattern=NAMESPACE_PATTERN, max_length=64)]
+
+
+@router.post("", response_model=CheckpointOut, status_code=201)
+def create_checkpoint(body: CheckpointCreate, store: StoreDep,
+                      principal: PrincipalDep) -> dict:
+    """Atomically store a named checkpoint over committed blocks (409 already_exists
+    unless `replace`; 409 missing_references when a block or attachment is absent)."""
+    principal.require_namespace(body.namespace)
+    record = checkpoint_from_json(body.model_dump(exclude={"replace"}))
+    return checkpoint_to_json(store.create_checkpoint(record, replace=body.replace))
+
+
+@router.get("", response_model=CheckpointList)
+def list_checkpoints(store: StoreDep,
+                     principal: PrincipalDep, namespace: NamespaceQuery = None) -> dict:
+    """Checkpoints of one namespace (the token's own when none is named; every
+    namespace for an admin over '*' that names none)."""
+    scope = principal.default_namespace(namespace)
+    return {"checkpoints": [checkpoint_to_json(c) for c in store.list_checkpoints(scope)]}
+
+
+@router.get("/{namespace}/{name}", response_model=CheckpointOut)
+def get_checkpoint(namespace: NamespacePath, name: NamePath,
+                   store: StoreDep,
+                   principal: PrincipalDep) -> dict:
+    principal.require_namespace(namespace)
+    return checkpoint_to_json(store.get_checkpoint(namespace, name))
+
+
+@router.delete("/{namespace}/{name}", status_code=204)
+def delete_checkpoint(namespace: NamespacePath, name: NamePath,
+                      store: StoreDep,
+                      principal: AdminDep) -> None:
+    """Admin only: unpin a checkpoint (its pages go at the next eviction or GC)."""
+    principal.require_namespace(namespace)
+    store.delete_checkpoint(namespace, name)

@@ -1,0 +1,76 @@
+"""Pages: POST missing, PUT one page as raw bytes, POST sizes, POST a batch read that
+streams the kvstore.wire page stream. Page bytes never travel as JSON or base64."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request
+from starlette.concurrency import run_in_threadpool
+
+from api.deps import SettingsDep, StoreDep
+from api.errors import ApiError, PayloadTooLarge
+from api.limits import read_page_body
+from api.schemas import HEX64_PATTERN, DigestList, MissingPages, PagePut, PageSizes
+from api.settings import Settings
+from api.streaming import PageStreamResponse
+from kvstore.ids import PageDigest
+from kvstore.wire import PAGE_STREAM_MEDIA_TYPE, stream_nbytes
+
+router = APIRouter(prefix="/v1/pages", tags=["pages"])
+DigestPath = Annotated[str, Path(pattern=HEX64_PATTERN,
+                                 description="64 hex: blake3 of the page's raw bytes")]
+OCTET_STREAM = "application/octet-stream"
+
+
+def _parse(digests: list[str], settings: Settings) -> list[PageDigest]:
+    if len(digests) > settings.max_batch_pages:
+        raise PayloadTooLarge(f"{len(digests)} digests in one request; the limit is "
+                              f"{settings.max_batch_pages}. Split the request")
+    return [PageDigest.parse(d) for d in digests]
+
+
+@router.post("/missing", response_model=MissingPages)
+def missing(body: DigestList, store: StoreDep,
+            settings: SettingsDep) -> MissingPages:
+    """The digests the store does not hold, in request order. Upload only those."""
+    return MissingPages(missing=[d.hex() for d in store.missing(_parse(body.digests, settings))])
+
+
+@router.post("/nbytes", response_model=PageSizes)
+def page_nbytes(body: DigestList, store: StoreDep,
+                settings: SettingsDep) -> PageSizes:
+    """Raw length of each page; 404 when one is absent."""
+    return PageSizes(nbytes=store.page_nbytes(_parse(body.digests, settings)))
+
+
+@router.put("/{digest}", response_model=PagePut, openapi_extra={"requestBody": {
+    "required": True, "content": {OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}}}})
+async def put_page(request: Request, digest: DigestPath, store: StoreDep,
+                   settings: SettingsDep) -> PagePut:
+    """Store one page. The body is its raw bytes (optionally `Content-Encoding: zstd`);
+    the server recomputes blake3 and refuses a mismatch with 422. Idempotent."""
+    media = request.headers.get("content-type", OCTET_STREAM).split(";")[0].strip().lower()
+    if media != OCTET_STREAM:
+        raise ApiError(415, "unsupported_media_type", f"send pages as {OCTET_STREAM}, not {media!r}")
+    claimed = PageDigest.parse(digest)
+    data = await read_page_body(request, settings.max_page_nbytes)
+    result = await run_in_threadpool(store.put_pages, [(claimed, data)])
+    return PagePut(digest=digest, new=result.new == 1, stored_nbytes=result.stored_nbytes)
+
+
+@router.post("/get", response_class=PageStreamResponse, status_code=200, responses={200: {
+    "description": "the page stream (docs/api.md, kvstore/wire.py)",
+    "content": {PAGE_STREAM_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}})
+async def get_pages(body: DigestList, store: StoreDep,
+                    settings: SettingsDep) -> PageStreamResponse:
+    """Read pages as one binary stream. Every page is verified before the first byte
+    is sent, so any failure (404, integrity 500) is a JSON error, never a cut stream."""
+    digests = _parse(body.digests, settings)
+    sizes = await run_in_threadpool(store.page_nbytes, digests)
+    if sum(sizes) > settings.max_batch_nbytes:
+        raise PayloadTooLarge(f"{sum(sizes)} bytes of pages in one read; the limit is "
+                              f"{settings.max_batch_nbytes}. Split the request")
+    context = store.get_pages(digests)
+    views = await run_in_threadpool(context.__enter__)
+    return PageStreamResponse(digests, views, context, stream_nbytes(sizes))

@@ -1,0 +1,23 @@
+"""POST /v1/prefix/lookup: the longest stored prefix of some token ids, in the
+caller's namespace only (chain keys are salted by namespace, so another tenant's
+blocks can never match)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from api.auth import PrincipalDep
+from api.deps import StoreDep
+from api.schemas import PrefixLookup, PrefixMatchOut
+from kvstore.wire import block_to_json
+
+router = APIRouter(prefix="/v1/prefix", tags=["prefix"])
+
+
+@router.post("/lookup", response_model=PrefixMatchOut)
+def lookup_prefix(body: PrefixLookup, store: StoreDep,
+                  principal: PrincipalDep) -> dict:
+    namespace = principal.require_namespace(body.namespace)
+    match = store.lookup_prefix(body.format_id, namespace, body.tokens, max_tokens=body.max_tokens)
+    return {"tokens_matched": match.tokens_matched,
+            "blocks": [block_to_json(b) for b in match.blocks]}

@@ -1,0 +1,230 @@
+"""Request and response bodies. Every client string that names something is checked
+here by a strict pattern, before any route code runs; kvstore re-checks it anyway.
+
+Digests, chain keys and format ids travel as 64 lowercase hex characters; token ids
+as JSON integers in [0, 2^32). Page bytes never travel in JSON (see kvstore/wire.py).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints
+
+from kvstore.format import MAX_LAYERS
+from kvstore.records import MAX_ATTACHMENTS
+
+HEX64_PATTERN = r"^[0-9a-f]{64}$"
+NAMESPACE_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,63}$"
+NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.\-:@+]{0,127}$"
+MAX_DIGESTS_PER_REQUEST = 1 << 20
+MAX_TOKENS_PER_REQUEST = 1 << 22
+MAX_BLOCK_TOKENS = 65536
+
+Hex64 = Annotated[str, StringConstraints(pattern=HEX64_PATTERN, min_length=64, max_length=64)]
+Namespace = Annotated[str, StringConstraints(pattern=NAMESPACE_PATTERN, max_length=64)]
+Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN, max_length=128)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=2**32 - 1)]
+ShortText = Annotated[str, StringConstraints(max_length=256)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorBody(BaseModel):
+    code: str = Field(description="stable machine-readable name; see docs/api.md")
+    message: str
+
+
+# -- formats --------------------------------------------------------------------------
+class LayerSpecBody(Strict):
+    kind: ShortText = "full"
+    kv_heads: StrictInt = 0
+    k_head_dim: StrictInt = 0
+    v_head_dim: StrictInt = 0
+    page_format: ShortText = "native-bf16"
+    group_size: StrictInt = 0
+    scale_dtype: ShortText = ""
+    rotation: ShortText = "none"
+    window: StrictInt = 0
+
+
+class FormatBody(Strict):
+    model_id: ShortText
+    model_fingerprint: ShortText
+    block_size_tokens: StrictInt
+    layers: list[LayerSpecBody] = Field(max_length=MAX_LAYERS)
+    tokenizer_fingerprint: ShortText = ""
+    schema_version: StrictInt = 1
+
+
+class FormatPut(BaseModel):
+    format_id: Hex64
+
+
+class FormatList(BaseModel):
+    formats: list[FormatBody]
+
+
+# -- pages ----------------------------------------------------------------------------
+class DigestList(Strict):
+    digests: list[Hex64] = Field(max_length=MAX_DIGESTS_PER_REQUEST)
+
+
+class MissingPages(BaseModel):
+    missing: list[Hex64]
+
+
+class PagePut(BaseModel):
+    digest: Hex64
+    new: bool
+    stored_nbytes: int
+
+
+class PageSizes(BaseModel):
+    nbytes: list[int]
+
+
+# -- blocks and prefixes ----------------------------------------------------------------
+class BlockBody(Strict):
+    format_id: Hex64
+    namespace: Namespace
+    parent: Hex64
+    tokens: list[TokenId] = Field(min_length=1, max_length=MAX_BLOCK_TOKENS)
+    pages: list[Hex64] = Field(max_length=MAX_LAYERS)
+
+
+class BlockOut(BlockBody):
+    key: Hex64
+    created_ns: int
+    last_used_ns: int
+
+
+class CommitBlocks(Strict):
+    blocks: list[BlockBody] = Field(max_length=1 << 16)
+
+
+class CommitOut(BaseModel):
+    new: int
+    existing: int
+    evicted_blocks: int
+
+
+class KeyList(Strict):
+    keys: list[Hex64] = Field(max_length=MAX_DIGESTS_PER_REQUEST)
+
+
+class BlockList(BaseModel):
+    blocks: list[BlockOut]
+
+
+class Presence(BaseModel):
+    present: list[bool]
+
+
+class PrefixLookup(Strict):
+    format_id: Hex64
+    namespace: Namespace
+    tokens: list[TokenId] = Field(max_length=MAX_TOKENS_PER_REQUEST)
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+
+
+class PrefixMatchOut(BaseModel):
+    tokens_matched: int
+    blocks: list[BlockOut]
+
+
+# -- checkpoints ------------------------------------------------------------------------
+class CheckpointBody(Strict):
+    name: Name
+    namespace: Namespace
+    format_id: Hex64
+    tokens: list[TokenId] = Field(max_length=MAX_TOKENS_PER_REQUEST)
+    chain_keys: list[Hex64] = Field(max_length=MAX_DIGESTS_PER_REQUEST)
+    attachments: dict[Annotated[str, StringConstraints(min_length=1, max_length=128)], Hex64] = \
+        Field(default_factory=dict, max_length=MAX_ATTACHMENTS)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class CheckpointCreate(CheckpointBody):
+    replace: StrictBool = False
+
+
+class CheckpointOut(CheckpointBody):
+    created_ns: int
+    num_tokens: int
+
+
+class CheckpointList(BaseModel):
+    checkpoints: list[CheckpointOut]
+
+
+# -- stats and admin ----------------------------------------------------------------------
+class StatsOut(BaseModel):
+    page_count: int
+    block_count: int
+    checkpoint_count: int
+    format_count: int
+    quarantined_count: int
+    pinned_block_count: int
+    raw_nbytes: int
+    stored_nbytes: int
+    referenced_raw_nbytes: int
+    evicted_blocks: int
+    evicted_nbytes: int
+    budget_nbytes: int | None
+    map_nbytes: int
+    file_nbytes: int
+    lookups: int
+    lookup_hits: int
+    tokens_looked_up: int
+    tokens_matched: int
+    dedup_ratio: float
+    compression_ratio: float
+
+
+class Health(BaseModel):
+    status: str
+    version: str
+
+
+class GCRequest(Strict):
+    grace_s: Annotated[float, Field(ge=0, le=10 * 365 * 86400)] = 3600.0
+    dry_run: StrictBool = False
+
+
+class GCOut(BaseModel):
+    plan: dict[str, float | int]
+    deleted: dict[str, float | int] | None = None
+
+
+class EvictRequest(Strict):
+    to_nbytes: Annotated[StrictInt, Field(ge=0)]
+
+
+class EvictOut(BaseModel):
+    blocks: int
+    pages: int
+    freed_nbytes: int
+
+
+class CheckRequest(Strict):
+    read_data: StrictBool = False
+    subset: tuple[Annotated[StrictInt, Field(ge=0)], Annotated[StrictInt, Field(ge=1)]] | None = None
+
+
+class ProblemOut(BaseModel):
+    kind: str
+    object: str
+    detail: str
+
+
+class CheckOut(BaseModel):
+    ok: bool
+    problems: list[ProblemOut]
+    pages_checked: int
+    pages_read: int
+    bytes_read: int
+    blocks_checked: int
+    checkpoints_checked: int

@@ -1,0 +1,44 @@
+"""serve(settings): run the service under uvicorn, refusing an unsafe bind.
+
+Binding a non-loopback address without any token would expose every namespace and
+the admin routes to the network, so it is refused (UnsafeBind). One worker process:
+the store is one LMDB environment per process, and the service is I/O bound on it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+import uvicorn
+
+from api.app import create_app
+from api.settings import Settings
+
+
+class UnsafeBind(ValueError):
+    pass
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(settings: Settings) -> None:
+    if not is_loopback(settings.host) and not settings.auth_enabled:
+        raise UnsafeBind(
+            f"refusing to listen on {settings.host}: it is not a loopback address and no "
+            "token is set. Set KVSTORE_TOKEN (and KVSTORE_ADMIN_TOKEN) or a tokens file, "
+            "or bind 127.0.0.1")
+
+
+def serve(settings: Settings) -> None:
+    check_bind(settings)
+    app = create_app(settings=settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                workers=1, server_header=False, date_header=True, timeout_keep_alive=30,
+                proxy_headers=False)

@@ -1,0 +1,88 @@
+"""Settings of the service: defaults < TOML file < environment (KVSTORE_*) < flags.
+
+    [server]                            # every key is optional; env names in brackets
+    host = "127.0.0.1"                  # KVSTORE_HOST; non-loopback needs a token
+    port = 8700                         # KVSTORE_PORT
+    data_dir = "./var/kvstore"          # KVSTORE_DIR
+    token = "..."                       # KVSTORE_TOKEN: user token for `namespace`
+    namespace = "default"               # KVSTORE_NAMESPACE
+    admin_token = "..."                 # KVSTORE_ADMIN_TOKEN: admin, every namespace
+    tokens_file = "/etc/kvstore/tokens.toml"   # KVSTORE_TOKENS_FILE (see api/auth.py)
+    max_page_nbytes = 67108864          # KVSTORE_MAX_PAGE_NBYTES: one PUT page body
+    max_json_nbytes = 16777216          # KVSTORE_MAX_JSON_NBYTES: any other body
+    max_batch_pages = 16384             # KVSTORE_MAX_BATCH_PAGES: digests per request
+    max_batch_nbytes = 1073741824       # KVSTORE_MAX_BATCH_NBYTES: one batch read
+    budget_nbytes = 0                   # KVSTORE_BUDGET_NBYTES: 0 = no eviction budget
+    map_nbytes = 1073741824             # KVSTORE_MAP_NBYTES: initial LMDB map
+    max_map_nbytes = 1099511627776      # KVSTORE_MAX_MAP_NBYTES
+
+Secrets never appear in repr() or logs (SecretStr).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+from kvstore.ids import check_namespace
+
+ENV_PREFIX = "KVSTORE_"
+ENV_NAMES = {"data_dir": "KVSTORE_DIR"}  # the one name that is not KVSTORE_<FIELD>
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8700, ge=0, le=65535)
+    data_dir: Path = Path("./var/kvstore")
+    token: SecretStr | None = None
+    namespace: str = "default"
+    admin_token: SecretStr | None = None
+    tokens_file: Path | None = None
+    max_page_nbytes: int = Field(64 << 20, ge=1, le=256 << 20)
+    max_json_nbytes: int = Field(16 << 20, ge=1024, le=1 << 30)
+    max_batch_pages: int = Field(16384, ge=1, le=1 << 20)
+    max_batch_nbytes: int = Field(1 << 30, ge=1, le=1 << 36)
+    budget_nbytes: int = Field(0, ge=0)
+    map_nbytes: int = Field(1 << 30, ge=1 << 20)
+    max_map_nbytes: int = Field(1 << 40, ge=1 << 20)
+    log_level: str = "info"
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, value: str) -> str:
+        return check_namespace(value)
+
+    @field_validator("token", "admin_token")
+    @classmethod
+    def _secret(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < 16:
+            raise ValueError("tokens must be at least 16 characters")
+        return value
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.token or self.admin_token or self.tokens_file)
+
+    @classmethod
+    def load(cls, config_file: str | os.PathLike | None = None,
+             env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+        """defaults < config_file (or KVSTORE_CONFIG) < env < overrides (None = unset)."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        config_file = config_file or env.get("KVSTORE_CONFIG")
+        if config_file:
+            with open(config_file, "rb") as f:
+                data = tomllib.load(f)
+            values.update(data.get("server", data))
+        for name in cls.model_fields:
+            key = ENV_NAMES.get(name, ENV_PREFIX + name.upper())
+            if key in env and env[key] != "":
+                values[name] = env[key]
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)

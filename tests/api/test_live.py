@@ -1,0 +1,74 @@
+"""A real uvicorn subprocess (`python -m tools.cli serve`) and separate client
+processes: one saves through RemoteStore, others restore over HTTP and through the
+same-host fast path; the bytes are identical to what was saved."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import blake3
+import httpx
+
+from tests.api.conftest import ADMIN, REPO, USER_A, USER_B
+from tests.api.workers import identity, prompt
+from tests.kvstore.factories import expected_pages, plan_prefix
+
+
+def run_worker(*args, timeout=120) -> list[dict]:
+    done = subprocess.run([sys.executable, "-m", "tests.api.workers", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def expected_blake3(namespace: str, seed: int) -> str:
+    records, _ = plan_prefix(identity(), namespace, prompt(seed))
+    hasher = blake3.blake3()
+    for page in expected_pages(identity(), records):
+        hasher.update(page)
+    return hasher.hexdigest()
+
+
+def spawn_worker(*args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.api.workers", *map(str, args)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_one_process_saves_another_restores_byte_identical(live_server):
+    saved = run_worker("save", live_server.url, USER_A, "team-a", 0, 2)
+    assert [s["saved"] for s in saved] == [0, 1]
+    want = expected_blake3("team-a", 1)
+    over_http = run_worker("restore", live_server.url, USER_A, "team-a", 1, 2)
+    assert [r["blake3"] for r in over_http] == [want, want]
+    assert over_http[0]["matched"] == 1000 and over_http[0]["pages"] == 32
+    fast = run_worker("restore", live_server.url, USER_A, "team-a", 1, 1, live_server.data_dir)
+    assert fast[0]["blake3"] == want
+    # another tenant, same prompt: nothing matches
+    other = run_worker("restore", live_server.url, USER_B, "team-b", 1, 1)
+    assert other[0]["matched"] == 0
+    assert live_server.alive()
+
+
+def test_fast_path_reads_while_the_server_writes_and_grows_its_map(live_server):
+    """The server started with a 1 MiB map; the writer grows it many times while a
+    read-only fast-path reader in another process keeps restoring."""
+    run_worker("save", live_server.url, USER_A, "team-a", 10, 1)
+    before = httpx.get(live_server.url + "/v1/stats",
+                       headers={"Authorization": f"Bearer {ADMIN}"}).json()["map_nbytes"]
+    writer = spawn_worker("save", live_server.url, USER_A, "team-a", 100, 6)
+    reader = spawn_worker("restore", live_server.url, USER_A, "team-a", 10, 12, live_server.data_dir)
+    w_out, w_err = writer.communicate(timeout=180)
+    r_out, r_err = reader.communicate(timeout=180)
+    assert writer.returncode == 0, w_err[-3000:]
+    assert reader.returncode == 0, r_err[-3000:]
+    want = expected_blake3("team-a", 10)
+    results = [json.loads(line) for line in r_out.splitlines()]
+    assert len(results) == 12 and {r["blake3"] for r in results} == {want}
+    after = httpx.get(live_server.url + "/v1/stats",
+                      headers={"Authorization": f"Bearer {ADMIN}"}).json()["map_nbytes"]
+    assert after > before, "the map never grew; the test did not exercise growth"
+    check = httpx.post(live_server.url + "/v1/admin/check", json={"read_data": True},
+                       headers={"Authorization": f"Bearer {ADMIN}"}, timeout=120).json()
+    assert check["ok"], check["problems"][:5]

@@ -1,0 +1,157 @@
+"""Restore of an 8B-shaped prefix over HTTP, through the same-host fast path, and from
+the embedded Store, measured in one run (issue 6).
+
+The prefix: 4096 tokens of a model shaped like an 8B (32 layers, 8 KV heads, head
+dim 128, bf16), 256-token blocks: 16 blocks x 32 layers of 1 MiB pages, 512 MiB.
+A restore is lookup_prefix + read_pages_into preallocated buffers, the way the
+engine restores; every path verifies every page (the store re-hashes on read).
+
+    python -m tools.bench.http            # 7 repetitions per path
+    python -m tools.bench.http --quick    # 3 repetitions, for CI smoke
+
+Prints a table of medians (seconds, GB/s) and the ratios the targets are stated in:
+HTTP restore >= 0.8 GB/s; the fast path within 10% of the embedded Store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvstore.client import RemoteStore
+from kvstore.format import FormatIdentity, LayerSpec
+from kvstore.ids import page_digest
+from kvstore.records import blocks_for_tokens
+from kvstore.store import Store
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK_TOKENS, TOKENS = 32, 8, 128, 256, 4096
+TARGET_HTTP_GBPS = 0.8
+TARGET_FAST_PATH_RATIO = 0.9
+
+
+def identity() -> FormatIdentity:
+    layer = LayerSpec(kv_heads=KV_HEADS, k_head_dim=HEAD_DIM, v_head_dim=HEAD_DIM,
+                      page_format="native-bf16")
+    return FormatIdentity("bench/8b-shaped", "bench-config", BLOCK_TOKENS, (layer,) * LAYERS)
+
+
+def build_store(path: Path, fmt: FormatIdentity, tokens: list[int]) -> int:
+    """Save the prefix into a fresh store; returns its page bytes."""
+    rng = np.random.default_rng(0)
+    nbytes = fmt.layers[0].page_nbytes(BLOCK_TOKENS)
+    with Store(path) as store:
+        fid = store.put_format(fmt)
+        rows, total = [], 0
+        for _ in range(TOKENS // BLOCK_TOKENS):
+            payload = {}
+            for _ in range(LAYERS):
+                data = rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+                payload[page_digest(data)] = data
+            store.put_pages(payload)
+            rows.append(list(payload))
+            total += nbytes * LAYERS
+        store.commit_blocks(blocks_for_tokens(fid, "default", tokens, BLOCK_TOKENS, rows))
+    return total
+
+
+def restore(store, fmt: FormatIdentity, tokens: list[int], buffers: list) -> int:
+    match = store.lookup_prefix(fmt.format_id, "default", tokens)
+    digests = [d for b in match.blocks for d in b.pages]
+    assert len(digests) == len(buffers), f"matched {len(digests)} pages, want {len(buffers)}"
+    return store.read_pages_into(digests, buffers)
+
+
+def measure(label: str, store, fmt, tokens, buffers, reps: int) -> dict:
+    restore(store, fmt, tokens, buffers)  # warm: page cache, connections, format cache
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        nbytes = restore(store, fmt, tokens, buffers)
+        times.append(time.perf_counter() - t0)
+    median = statistics.median(times)
+    return {"path": label, "median_s": median, "gbps": nbytes / median / 1e9,
+            "min_s": min(times), "max_s": max(times), "reps": reps}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(data_dir: Path, port: int) -> subprocess.Popen:
+    env = {**os.environ, "KVSTORE_DIR": str(data_dir), "KVSTORE_PORT": str(port),
+           "KVSTORE_LOG_LEVEL": "warning"}
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "serve"], env=env)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return proc
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("the server did not start within 30 s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="3 repetitions instead of 7")
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--json", action="store_true", help="print the results as JSON too")
+    args = parser.parse_args(argv)
+    reps = args.reps or (3 if args.quick else 7)
+    fmt = identity()
+    tokens = np.random.default_rng(1).integers(0, 128000, TOKENS).tolist()
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-http-") as tmp:
+        data_dir = Path(tmp) / "store"
+        t0 = time.perf_counter()
+        total = build_store(data_dir, fmt, tokens)
+        print(f"built a {total / 2**20:.0f} MiB prefix ({TOKENS // BLOCK_TOKENS} blocks x {LAYERS} "
+              f"layers) in {time.perf_counter() - t0:.1f} s")
+        buffers = [np.empty(fmt.layers[0].page_nbytes(BLOCK_TOKENS), dtype=np.uint8)
+                   for _ in range(LAYERS * TOKENS // BLOCK_TOKENS)]
+        port = free_port()
+        server = start_server(data_dir, port)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            results = []
+            with Store(data_dir) as store:
+                results.append(measure("embedded Store", store, fmt, tokens, buffers, reps))
+            with RemoteStore(url) as remote:
+                results.append(measure("HTTP (loopback)", remote, fmt, tokens, buffers, reps))
+            with RemoteStore(url, local_dir=data_dir) as fast:
+                results.append(measure("same-host fast path", fast, fmt, tokens, buffers, reps))
+        finally:
+            server.terminate()
+            server.wait(10)
+    embedded, http, fast = results
+    print(f"\n{'path':<22}{'median s':>10}{'GB/s':>8}{'min s':>8}{'max s':>8}")
+    for r in results:
+        print(f"{r['path']:<22}{r['median_s']:>10.3f}{r['gbps']:>8.2f}{r['min_s']:>8.3f}{r['max_s']:>8.3f}")
+    http_ratio = http["gbps"] / embedded["gbps"]
+    fast_ratio = fast["gbps"] / embedded["gbps"]
+    print(f"\nHTTP / embedded       {http_ratio:.2f}x")
+    print(f"fast path / embedded  {fast_ratio:.2f}x")
+    print(f"target HTTP >= {TARGET_HTTP_GBPS} GB/s: {'met' if http['gbps'] >= TARGET_HTTP_GBPS else 'MISSED'}"
+          f" ({http['gbps']:.2f})")
+    print(f"target fast path >= {TARGET_FAST_PATH_RATIO:.0%} of embedded: "
+          f"{'met' if fast_ratio >= TARGET_FAST_PATH_RATIO else 'MISSED'} ({fast_ratio:.0%})")
+    if args.json:
+        print(json.dumps({"results": results, "http_over_embedded": http_ratio,
+                          "fast_over_embedded": fast_ratio}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
