@@ -1,0 +1,140 @@
+"""The dashboard in a real headless Chromium against a real service with a token set.
+
+The service is api.create_app over a temporary store, wrapped by
+tools.dashboard.with_dashboard, under uvicorn on a free loopback port. Chromium is
+Debian's `chromium`; when absent it is installed with apt-get, and when that fails the
+browser tests skip with a loud reason. A screenshot is kept in test-artifacts/."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvstore.store import Store
+from tests.tools.helpers import build_store
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "test-artifacts"
+TOKEN = "dashboard-test-token-0123456789"          # admin: every namespace
+USER_TOKEN = "dashboard-user-token-0123456789"     # user: namespace "default" only
+BUDGET_S = "8000"  # virtual ms Chromium lets the page's fetches and timers run
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    app_module = pytest.importorskip("api.app")
+    settings_module = pytest.importorskip("api.settings")
+    import uvicorn
+
+    from tools.dashboard import with_dashboard
+
+    path = tmp_path_factory.mktemp("dash") / "store"
+    build_store(path)
+    store = Store(path)
+    settings = settings_module.Settings(token=USER_TOKEN, admin_token=TOKEN, data_dir=path)
+    app = with_dashboard(app_module.create_app(store=store, settings=settings))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                          lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+    store.close()
+
+
+def test_shell_is_public_and_data_need_the_token(service):
+    page = httpx.get(service + "/")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert "default-src 'none'" in page.headers["content-security-policy"]
+    assert TOKEN not in page.text
+    assert httpx.get(service + "/dashboard/dashboard.js").status_code == 200
+    assert httpx.get(service + "/v1/stats").status_code == 401
+    assert httpx.get(service + "/v1/checkpoints").status_code == 401
+    assert httpx.get(service + "/dashboard/../v1/stats").status_code == 401
+    assert httpx.get(service + "/dashboard/secret.txt").status_code == 401  # not a shell file
+    authed = httpx.get(service + "/v1/stats", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert authed.status_code == 200 and authed.json()["checkpoint_count"] == 3
+
+
+def chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found:
+        return found
+    install = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "chromium"],
+                             capture_output=True, text=True, timeout=600,
+                             env={"DEBIAN_FRONTEND": "noninteractive", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+    found = shutil.which("chromium")
+    if not found:
+        reason = ("SKIPPED LOUDLY: Debian's chromium is absent and `apt-get install chromium` failed "
+                  f"(exit {install.returncode}): {install.stderr[-300:]}")
+        warnings.warn(reason, stacklevel=2)
+        pytest.skip(reason)
+    return found
+
+
+def browse(url: str, *extra: str) -> str:
+    argv = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+            "--no-first-run", "--hide-scrollbars", f"--virtual-time-budget={BUDGET_S}",
+            "--window-size=1280,900", *extra, url]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def rows(dom: str) -> list[str]:
+    return re.findall(r'<tr data-name="([^"]+)"', dom)
+
+
+def test_page_shows_checkpoints_and_search_filters(service):
+    dom = browse(f"{service}/#token={TOKEN}", "--dump-dom")
+    assert rows(dom) == ["default/native", "default/system-prompt", "team-a/short"], dom[-3000:]
+    assert "3 of 3 shown" in dom
+    assert re.search(r'id="dedup">\d+\.\d\d×<', dom), "dedup ratio not rendered"
+    assert "native-bf16+k8v4" in dom and "test/tiny" in dom
+    assert "<polyline" in dom, "usage chart has no line"
+    filtered = browse(f"{service}/?q=system#token={TOKEN}", "--dump-dom")
+    assert rows(filtered) == ["default/system-prompt"]
+    assert "1 of 3 shown" in filtered
+    by_namespace = browse(f"{service}/?q=team-a%20k8v4#token={TOKEN}", "--dump-dom")
+    assert rows(by_namespace) == ["team-a/short"]
+    user = browse(f"{service}/#token={USER_TOKEN}", "--dump-dom")
+    assert rows(user) == ["default/native", "default/system-prompt"], "a user token saw another namespace"
+
+
+def test_page_without_token_asks_for_one(service):
+    dom = browse(f"{service}/", "--dump-dom")
+    assert rows(dom) == []
+    assert '<form id="token-form">' in dom, "the token form did not come up"
+    assert "a token is required" in dom
+    wrong = browse(f"{service}/#token=not-the-token-at-all", "--dump-dom")
+    assert rows(wrong) == [] and "the token was refused" in wrong
+
+
+def test_screenshot_is_kept(service):
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "dashboard.png"
+    shot.unlink(missing_ok=True)
+    browse(f"{service}/#token={TOKEN}", f"--screenshot={shot}")
+    assert shot.exists() and shot.stat().st_size > 10_000
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
