@@ -16,6 +16,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from tools.commands import register as register_operator_commands
+
 app = typer.Typer(name="kvstore", help="Operate an mlx-kvstore page store.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
@@ -69,6 +71,9 @@ def serve(
         run_server(settings)
     except UnsafeBind as exc:
         fail(str(exc), EXIT_REFUSED)
+
+
+register_operator_commands(app)
 
 
 def main() -> None:

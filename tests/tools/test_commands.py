@@ -214,3 +214,14 @@ def test_sizes_and_durations():
     for bad in ("", "h", "1y", "1h-"):
         with pytest.raises(typer.BadParameter):
             parse_duration(bad)
+
+
+def test_the_kvstore_cli_carries_every_command(store_dir):
+    from typer.testing import CliRunner
+
+    from tools.cli import app
+
+    assert set(COMMANDS) <= {c.name for c in app.registered_commands}
+    path, _ = store_dir
+    ran = CliRunner().invoke(app, ["ls", "--json", "-d", str(path)])
+    assert ran.exit_code == EXIT_OK and len(ran.stdout) > 2
