@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterable, Optional
 
 from kvstore.format import FormatIdentity
-from kvstore.ids import ROOT_KEY, ChainKey, PageDigest
+from kvstore.ids import ROOT_KEY
 from kvstore.pages import accounted_nbytes
 from kvstore.records import BlockRecord, Checkpoint
 
@@ -90,6 +90,10 @@ def page_sizes(store, digests: Iterable) -> dict[bytes, tuple[int, Optional[int]
     wanted = list(dict.fromkeys(bytes(d) for d in digests))
     out: dict[bytes, tuple[int, Optional[int]]] = {}
     if not local_only(store):
+        try:  # one request; per page only when some page is absent
+            return {d: (n, None) for d, n in zip(wanted, store.page_nbytes(wanted), strict=True)}
+        except KeyError:
+            pass
         for d in wanted:
             try:
                 out[d] = (store.page_nbytes([d])[0], None)
@@ -217,4 +221,4 @@ def parse_hex32(text: str) -> Optional[bytes]:
 
 
 __all__ = ["Entry", "entries", "chain", "all_blocks", "page_sizes", "pins", "refcount",
-           "referencing", "page_formats", "local_only", "parse_hex32", "ChainKey", "PageDigest"]
+           "referencing", "page_formats", "local_only", "parse_hex32"]

@@ -7,6 +7,10 @@ them, exactly as an operator would meet them."""
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,3 +62,39 @@ def build_store(path: Path) -> dict:
         short = save_prefix(store, IDENTITY, "team-a", list(range(12)), checkpoint="short")
         native = save_prefix(store, NATIVE_IDENTITY, "default", list(range(10)), checkpoint="native")
     return {"system-prompt": sys_prompt, "loose": loose, "short": short, "native": native}
+
+
+ADMIN_TOKEN = "operator-admin-token-0123456789"   # every namespace, admin routes
+USER_TOKEN = "operator-user-token-0123456789"     # namespace "default" only
+
+
+@contextmanager
+def live_service(path: Path, *, wrap=None, **settings):
+    """A real uvicorn serving api.create_app over the store at `path`, in a thread, on
+    a free loopback port. Yields the base URL. Skips when api/ is absent."""
+    import pytest
+
+    app_module = pytest.importorskip("api.app")
+    settings_module = pytest.importorskip("api.settings")
+    import uvicorn
+
+    store = Store(path)
+    app = app_module.create_app(store=store, settings=settings_module.Settings(data_dir=path, **settings))
+    app = wrap(app) if wrap else app
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                          lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        store.close()

@@ -9,58 +9,29 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import subprocess
-import threading
-import time
 import warnings
 from pathlib import Path
 
 import httpx
 import pytest
 
-from kvstore.store import Store
-from tests.tools.helpers import build_store
+from tests.tools.helpers import ADMIN_TOKEN, USER_TOKEN, build_store, live_service
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
-TOKEN = "dashboard-test-token-0123456789"          # admin: every namespace
-USER_TOKEN = "dashboard-user-token-0123456789"     # user: namespace "default" only
+TOKEN = ADMIN_TOKEN
 BUDGET_S = "8000"  # virtual ms Chromium lets the page's fetches and timers run
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    app_module = pytest.importorskip("api.app")
-    settings_module = pytest.importorskip("api.settings")
-    import uvicorn
-
     from tools.dashboard import with_dashboard
 
     path = tmp_path_factory.mktemp("dash") / "store"
     build_store(path)
-    store = Store(path)
-    settings = settings_module.Settings(token=USER_TOKEN, admin_token=TOKEN, data_dir=path)
-    app = with_dashboard(app_module.create_app(store=store, settings=settings))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                          lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
-    store.close()
+    with live_service(path, wrap=with_dashboard, token=USER_TOKEN, admin_token=TOKEN) as url:
+        yield url
 
 
 def test_shell_is_public_and_data_need_the_token(service):
