@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvstore.store import Store
 from tests.tools.helpers import ADMIN_TOKEN, USER_TOKEN, build_store, live_service
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,3 +110,25 @@ def test_screenshot_is_kept(service):
     browse(f"{service}/#token={TOKEN}", f"--screenshot={shot}")
     assert shot.exists() and shot.stat().st_size > 10_000
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_api_router_serves_the_same_shell(tmp_path):
+    """api/routes/dashboard.py: the in-API way to serve the shell (once it is in ROUTERS
+    and its paths are public); here mounted by hand on an app without tokens."""
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from api.routes import dashboard
+    from tools.dashboard import SHELL, STATIC_DIR
+
+    assert dashboard.SHELL_PATHS == set(SHELL) and dashboard.STATIC_DIR == STATIC_DIR
+    build_store(tmp_path / "store")
+    with Store(tmp_path / "store") as store:
+        app = create_app(store=store)
+        app.include_router(dashboard.router)
+        with TestClient(app) as client:
+            for path, (name, media_type) in SHELL.items():
+                response = client.get(path)
+                assert response.status_code == 200 and response.headers["content-type"] == media_type
+                assert response.content == (STATIC_DIR / name).read_bytes()
+            assert client.get("/dashboard/index.html").status_code == 404
