@@ -19,7 +19,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q --timeout=600 $(PYTEST_ARGS)
 
 run: $(STAMP)
-	$(PY) -m tools.demo
+	$(VENV)/bin/kvstore serve
 
 bench: $(STAMP)
 	$(VENV)/bin/kvstore bench --out bench-results

@@ -5,6 +5,7 @@ blocks can never match)."""
 from __future__ import annotations
 
 from fastapi import APIRouter
+from fastapi.responses import JSONResponse
 
 from api.auth import PrincipalDep
 from api.deps import StoreDep
@@ -16,8 +17,10 @@ router = APIRouter(prefix="/v1/prefix", tags=["prefix"])
 
 @router.post("/lookup", response_model=PrefixMatchOut)
 def lookup_prefix(body: PrefixLookup, store: StoreDep,
-                  principal: PrincipalDep) -> dict:
+                  principal: PrincipalDep) -> JSONResponse:
     namespace = principal.require_namespace(body.namespace)
     match = store.lookup_prefix(body.format_id, namespace, body.tokens, max_tokens=body.max_tokens)
-    return {"tokens_matched": match.tokens_matched,
-            "blocks": [block_to_json(b) for b in match.blocks]}
+    # Built from records the store just decoded: returned as is, not re-validated
+    # against the response model (that costs more than the lookup for long prompts).
+    return JSONResponse({"tokens_matched": match.tokens_matched,
+                         "blocks": [block_to_json(b) for b in match.blocks]})

@@ -29,7 +29,7 @@ def test_no_server_errors_on_generated_requests(live_server):
         [SCHEMATHESIS, "run", f"{live_server.url}/openapi.json",
          "-H", f"Authorization: Bearer {ADMIN}", "--checks", "not_a_server_error",
          "--max-time", str(budget_s), "--workers", "1", "--seed", "1"],
-        capture_output=True, text=True, timeout=budget_s + 120)
+        capture_output=True, text=True, timeout=budget_s + 120, cwd=live_server.data_dir.parent)
     summary = done.stdout[-4000:]
     found = re.search(r"(\d+) generated, (.*)", summary)
     assert found, summary
