@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import mlx.core as mx
@@ -37,11 +37,11 @@ from kernels.paging import check_shape, first_visible_key
 
 ROWS_PER_BLOCK = 4
 NUM_WARPS = 4
-TARGET_BLOCKS = 132 * 4  # about four resident blocks on each of an H200's 132 SMs
+TARGET_BLOCKS = 132 * 2  # two blocks per SM of an H200 (132 SMs): best of the sweep in docs/kernels.md
 MIN_SPLIT_TOKENS = 256
 UNROLL = 4  # tokens a lane group loads before reducing (2 for float32 pages: registers)
 TABLE_CAP = 256  # block-table entries a split block stages in shared memory
-DIMS_PER_LANE = 8  # head_dim values per lane; a lane group is D / DIMS_PER_LANE lanes
+DIMS_PER_LANE = 16  # head_dim values per lane; a lane group is D / DIMS_PER_LANE lanes
 
 
 TUNING_ENV = "KVSTORE_DIRECT_TUNING"
@@ -142,6 +142,51 @@ def plan_launch(
     window: int | None = None,
     sinks: mx.array | None = None,
 ) -> LaunchPlan:
+    """The launch of one call. Everything but the input arrays is cached by shape, dtype,
+    lengths and options: every layer of a decode step shares one plan, so the Python work
+    per layer is a dictionary lookup and two kernel calls."""
+    plane_arrays = [planes[name] for name in layout.plane_names]
+    key = (
+        tuple(queries.shape), queries.dtype, tuple((tuple(p.shape), p.dtype) for p in plane_arrays),
+        tuple(block_tables.shape), tuple(context_lens), layout, scale, mask, window,
+        sinks is not None, UNROLL, NUM_WARPS, TARGET_BLOCKS, DIMS_PER_LANE,
+    )
+    cached = _PLANS.get(key)
+    if cached is None:
+        if len(_PLANS) >= 256:
+            _PLANS.clear()
+        cached = _PLANS[key] = _build_plan(
+            queries, planes, block_tables, context_lens, layout,
+            scale=scale, mask=mask, window=window, sinks=sinks,
+        )
+    signs = rotation_signs(queries.shape[-1], layout.rotation_seed)
+    return replace(
+        cached,
+        split_inputs=[queries, signs, *plane_arrays, block_tables.astype(mx.int32), cached.meta],
+        sinks=sinks.astype(mx.float32) if sinks is not None else _no_sinks(),
+    )
+
+
+_PLANS: dict[tuple, LaunchPlan] = {}
+
+
+@lru_cache(maxsize=1)
+def _no_sinks() -> mx.array:
+    return mx.zeros((1,), dtype=mx.float32)
+
+
+def _build_plan(
+    queries: mx.array,
+    planes: dict[str, mx.array],
+    block_tables: mx.array,
+    context_lens: list[int],
+    layout: PageLayout,
+    *,
+    scale: float,
+    mask=None,
+    window: int | None = None,
+    sinks: mx.array | None = None,
+) -> LaunchPlan:
     shape = check_shape(queries, planes, block_tables, context_lens, layout)
     if not kernel_supports(layout, shape.k_head_dim, shape.v_head_dim):
         raise ValueError(f"direct kernels do not serve layout {layout} with head dims "
@@ -158,12 +203,6 @@ def plan_launch(
         (rows, shape.num_queries, split_tokens, window or 0, first_key, row_chunks,
          float_bits(scale), *context_lens)
     )
-    tables = block_tables.astype(mx.int32)
-    if layout.packed:
-        plane_inputs = [planes[name] for name in
-                        ("k_codes", "k_scales", "k_offsets", "v_codes", "v_scales", "v_offsets")]
-    else:
-        plane_inputs = [planes["k"], planes["v"]]
     causal = shape.num_queries > 1 and (mask == "causal" or window is not None)
     unroll = UNROLL if layout.packed or planes["k"].dtype != mx.float32 else max(1, UNROLL // 2)
     num_warps = NUM_WARPS if shape.k_head_dim <= 256 else 4  # shared memory: groups * rows * D
@@ -193,12 +232,11 @@ def plan_launch(
         num_splits=num_splits,
         grid_y=shape.n_kv_heads * row_chunks,
         threads=num_warps * 32,
-        split_inputs=[queries, rotation_signs(shape.k_head_dim, layout.rotation_seed),
-                      *plane_inputs, tables, meta],
+        split_inputs=[],
         split_template=split_template,
         merge_template=merge_template,
         meta=meta,
-        sinks=sinks.astype(mx.float32) if has_sinks else mx.zeros((1,), dtype=mx.float32),
+        sinks=None,
         partial_shape=(shape.batch * shape.n_q_heads * shape.num_queries, num_splits),
         output_shape=(shape.batch, shape.n_q_heads, shape.num_queries, shape.v_head_dim),
         output_dtype=queries.dtype,

@@ -87,8 +87,8 @@ if __name__ == "__main__":
         for tokens in (4096, 32768, 131072):
             print(f"T={tokens}: full call {time_call(tokens):.1f} us; {time_parts(tokens)}", flush=True)
         results = []
-        for tuning in ("2,4,264,8", "4,4,264,8", "4,4,528,8", "2,8,264,8", "2,4,264,16",
-                       "2,4,528,16", "4,4,264,16", "1,4,264,16"):
+        for tuning in ("2,4,264,8", "4,4,264,16", "2,4,264,16", "2,2,264,8", "4,4,132,16",
+                       "2,4,132,16"):
             direct.apply_tuning(tuning)
             mid, long = time_call(32768), time_call(131072)
             results.append((long + mid, tuning))

@@ -69,7 +69,7 @@ def make_case(
     max_blocks = max(used) + 2
     tables = [[-1] * max_blocks for _ in context_lens]
     cursor = 0
-    for b, length in enumerate(context_lens):
+    for b in range(len(context_lens)):
         padded = used[b] * block_size
         keys = mx.random.normal((n_kv_heads, padded, head_dim))
         values = mx.random.normal((n_kv_heads, padded, head_dim))
@@ -80,8 +80,8 @@ def make_case(
         tables[b][: used[b]] = own
         rows = mx.array(own, dtype=mx.int32)
 
-        def blocked(x):  # [H, used*bs, W] -> [used, H, bs, W]
-            return x.reshape(n_kv_heads, used[b], block_size, -1).transpose(1, 0, 2, 3)
+        def blocked(x, count=used[b]):  # [H, count*bs, W] -> [count, H, bs, W]
+            return x.reshape(n_kv_heads, count, block_size, -1).transpose(1, 0, 2, 3)
 
         if layout.packed:
             for half, x, bits in (("k", keys, layout.k_bits), ("v", values, layout.v_bits)):
