@@ -81,12 +81,13 @@ def ls(
         emit_json({"entries": [e.to_dict() for e in rows], "notes": notes})
         return
     table = Table(box=None, header_style="bold")
-    for column in ("kind", "name", "namespace", "model", "format", "tokens", "logical",
-                   "stored", "pinned", "age", "last used"):
-        table.add_column(column, justify="right" if column in ("tokens", "logical", "stored") else "left")
+    for column in ("kind", "namespace/name", "model", "format", "tokens", "logical",
+                   "stored", "pinned", "age", "used"):
+        table.add_column(column, no_wrap=True,
+                         justify="right" if column in ("tokens", "logical", "stored", "age", "used") else "left")
     for e in rows:
         name = e.name if e.kind == "checkpoint" else e.name[:16]
-        table.add_row(e.kind, escape(name), e.namespace, escape(e.model_id), e.page_format,
+        table.add_row(e.kind, escape(f"{e.namespace}/{name}"), escape(e.model_id), e.page_format,
                       f"{e.tokens:,}", human_bytes(e.logical_nbytes), human_bytes(e.stored_nbytes),
                       "pinned" if e.pinned else "evictable", human_age(e.age_s),
                       human_age(e.idle_s) + " ago" if e.idle_s is not None else "-")
@@ -268,7 +269,7 @@ def _print_format(doc: dict) -> None:
                       layer["page_format"], str(layer["group_size"] or "-"), layer["scale_dtype"] or "-",
                       layer["rotation"], str(layer["window"] or "-"))
     stdout.print(table)
-    stdout.print(f"  raw: {escape(doc['canonical'])}", style="dim")
+    stdout.print(f"  raw: {escape(doc['canonical'])}", style="dim", soft_wrap=True)
 
 
 def _runs(layers: list[dict]):
@@ -375,6 +376,10 @@ def stats(
     s["budget_used"] = s["stored_nbytes"] / budget if budget else None
     s["hit_rate"] = s["lookup_hits"] / s["lookups"] if s["lookups"] else None
     s["token_hit_rate"] = s["tokens_matched"] / s["tokens_looked_up"] if s["tokens_looked_up"] else None
+    checkpoints = [e for e in rows if e.kind == "checkpoint"]
+    s["checkpoint_logical_nbytes"] = sum(e.logical_nbytes for e in checkpoints)
+    s["checkpoint_sharing_ratio"] = (s["checkpoint_logical_nbytes"] / s["raw_nbytes"]
+                                     if s["raw_nbytes"] else None)
     largest_kind = "prefix" if inventory.local_only(store) else "checkpoint"
     largest = sorted((e for e in rows if e.kind == largest_kind), key=lambda e: -e.logical_nbytes)[:top]
     doc = {"stats": s, "gc_history": history, "largest": [e.to_dict() for e in largest], "notes": notes}
@@ -389,6 +394,10 @@ def stats(
                  f"{s['format_count']} formats, {s['quarantined_count']} quarantined")
     stdout.print(f"dedup       {s['dedup_ratio']:.2f}x ({human_bytes(s['referenced_raw_nbytes'])} referenced "
                  f"/ {human_bytes(s['raw_nbytes'])} distinct raw)")
+    if s["checkpoint_sharing_ratio"] is not None:
+        stdout.print(f"sharing     {s['checkpoint_sharing_ratio']:.2f}x ({len(checkpoints)} checkpoints name "
+                     f"{human_bytes(s['checkpoint_logical_nbytes'])} of pages; the store holds "
+                     f"{human_bytes(s['raw_nbytes'])} raw)")
     stdout.print(f"compression {s['compression_ratio']:.2f}x ({human_bytes(s['raw_nbytes'])} raw "
                  f"/ {human_bytes(s['stored_nbytes'])} stored)")
     hit = f"{s['hit_rate']:.0%}" if s["hit_rate"] is not None else "-"
@@ -401,7 +410,8 @@ def stats(
             stdout.print(f"  {_when(h['at_ns'])}: {h['pages']} pages, {human_bytes(h['freed_nbytes'])} "
                          f"freed, {h['skipped']} skipped, grace {h['grace_s']:.0f}s")
     if largest:
-        table = Table(title=f"largest {largest_kind}es", box=None, header_style="bold")
+        table = Table(title=f"largest {'prefixes' if largest_kind == 'prefix' else 'checkpoints'}",
+                      box=None, header_style="bold")
         for column in ("name", "namespace", "tokens", "logical", "stored", "pinned"):
             table.add_column(column)
         for e in largest:
