@@ -16,6 +16,7 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 from typing import Callable
 
+import anyio
 from fastapi import FastAPI
 
 from api import errors
@@ -64,6 +65,8 @@ def create_app(store: Store | None = None, settings: Settings | None = None, *,
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.tokens = tokens
+    app.state.upload_slots = anyio.Semaphore(settings.max_concurrent_uploads)
+    app.state.read_slots = anyio.Semaphore(settings.max_concurrent_reads)
     for router in ROUTERS:
         app.include_router(router)
     errors.install(app)

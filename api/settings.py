@@ -12,6 +12,9 @@
     max_json_nbytes = 16777216          # KVSTORE_MAX_JSON_NBYTES: any other body
     max_batch_pages = 16384             # KVSTORE_MAX_BATCH_PAGES: digests per request
     max_batch_nbytes = 1073741824       # KVSTORE_MAX_BATCH_NBYTES: one batch read
+    max_concurrent_uploads = 8          # KVSTORE_MAX_CONCURRENT_UPLOADS: page bodies in
+                                        # memory at once (others wait); 8 x 64 MiB
+    max_concurrent_reads = 4            # KVSTORE_MAX_CONCURRENT_READS: batch reads at once
     budget_nbytes = 0                   # KVSTORE_BUDGET_NBYTES: 0 = no eviction budget
     map_nbytes = 1073741824             # KVSTORE_MAP_NBYTES: initial LMDB map
     max_map_nbytes = 1099511627776      # KVSTORE_MAX_MAP_NBYTES
@@ -48,6 +51,8 @@ class Settings(BaseModel):
     max_json_nbytes: int = Field(16 << 20, ge=1024, le=1 << 30)
     max_batch_pages: int = Field(16384, ge=1, le=1 << 20)
     max_batch_nbytes: int = Field(1 << 30, ge=1, le=1 << 36)
+    max_concurrent_uploads: int = Field(8, ge=1, le=1024)
+    max_concurrent_reads: int = Field(4, ge=1, le=1024)
     budget_nbytes: int = Field(0, ge=0)
     map_nbytes: int = Field(1 << 30, ge=1 << 20)
     max_map_nbytes: int = Field(1 << 40, ge=1 << 20)

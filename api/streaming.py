@@ -28,11 +28,12 @@ STREAM_MIN_S = 30.0
 class PageStreamResponse(Response):
     media_type = PAGE_STREAM_MEDIA_TYPE
 
-    def __init__(self, digests, views, context, content_length: int):
+    def __init__(self, digests, views, context, content_length: int, release=None):
         super().__init__(content=b"", media_type=PAGE_STREAM_MEDIA_TYPE)
         self.digests, self.views, self.context = digests, views, context
         self.headers["content-length"] = str(content_length)
         self.content_length = content_length
+        self.release = release
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -44,7 +45,11 @@ class PageStreamResponse(Response):
         finally:
             views, self.views = self.views, None
             del views
-            self.context.__exit__(None, None, None)
+            try:
+                self.context.__exit__(None, None, None)
+            finally:
+                if self.release is not None:
+                    self.release()
 
     async def _send_frames(self, send) -> None:
         # pieces: small frame heads and slices of page views, at most CHUNK_NBYTES of

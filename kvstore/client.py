@@ -39,6 +39,7 @@ import http.client
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Iterable, Iterator, Mapping, Sequence
@@ -74,6 +75,7 @@ from kvstore.wire import (
 
 DIGESTS_PER_REQUEST = 8192          # under the server's default max_batch_pages
 READ_BATCH_NBYTES = 256 << 20       # one batch read; under max_batch_nbytes
+PARALLEL_MIN_NBYTES = 16 << 20      # smaller reads go as one stream
 RETRY_STATUSES = frozenset({502, 503, 504})
 COMPRESS_SAMPLE_NBYTES = 64 << 10
 
@@ -111,7 +113,7 @@ class RemoteStore:
 
     def __init__(self, url: str, token: str | None = None, *, local_dir=None,
                  timeout_s: float = 60.0, retries: int = 3, compress_uploads: bool = False,
-                 client: httpx.Client | None = None):
+                 read_streams: int = 1, client: httpx.Client | None = None):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._direct = None
         if client is None:
@@ -124,11 +126,16 @@ class RemoteStore:
         self.url = url
         self._client = client
         self._retries = retries
+        self._read_streams = max(1, int(read_streams))
+        self._executor = None
+        self._pool_lock = threading.Lock()
         self._compress = compress_uploads
         self._formats: dict[bytes, FormatIdentity] = {}
         self._local = Store(local_dir, readonly=True) if local_dir is not None else None
 
     def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown()
         self._client.close()
         if self._direct is not None:
             self._direct.close()
@@ -253,10 +260,25 @@ class RemoteStore:
         if self._local is not None:
             return self._local.read_pages_into(digests, buffers)
         digests = [PageDigest.coerce(d) for d in digests]
-        total = 0
-        for start, stop in _read_batches([memoryview(b).nbytes for b in buffers]):
-            total += self._read_batch(digests[start:stop], buffers[start:stop])
-        return total
+        sizes = [memoryview(b).nbytes for b in buffers]
+        batch_nbytes = READ_BATCH_NBYTES
+        if self._direct is not None and self._read_streams > 1:
+            # several concurrent streams: the server verifies one batch while it sends
+            # another, and both ends use both cores
+            batch_nbytes = max(PARALLEL_MIN_NBYTES, min(batch_nbytes, -(-sum(sizes) // self._read_streams)))
+        batches = list(_read_batches(sizes, batch_nbytes))
+        if len(batches) == 1 or self._direct is None:
+            return sum(self._read_batch(digests[a:b], buffers[a:b]) for a, b in batches)
+        futures = [self._pool().submit(self._read_batch, digests[a:b], buffers[a:b])
+                   for a, b in batches]
+        return sum(f.result() for f in futures)
+
+    def _pool(self):
+        with self._pool_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self._read_streams,
+                                                    thread_name_prefix="kvstore-read")
+            return self._executor
 
     def _read_batch(self, digests: list[PageDigest], buffers: Sequence) -> int:
         body = {"digests": [d.hex() for d in digests]}
@@ -460,10 +482,10 @@ def _segment(value: str) -> str:
     return quote(value, safe="")
 
 
-def _read_batches(sizes: list[int]) -> Iterator[tuple[int, int]]:
+def _read_batches(sizes: list[int], max_nbytes: int = READ_BATCH_NBYTES) -> Iterator[tuple[int, int]]:
     start, nbytes = 0, 0
     for i, n in enumerate(sizes):
-        if i > start and (nbytes + n > READ_BATCH_NBYTES or i - start >= DIGESTS_PER_REQUEST):
+        if i > start and (nbytes + n > max_nbytes or i - start >= DIGESTS_PER_REQUEST):
             yield start, i
             start, nbytes = i, 0
         nbytes += n

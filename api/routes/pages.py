@@ -54,15 +54,17 @@ async def put_page(request: Request, digest: DigestPath, store: StoreDep,
     if media != OCTET_STREAM:
         raise ApiError(415, "unsupported_media_type", f"send pages as {OCTET_STREAM}, not {media!r}")
     claimed = PageDigest.parse(digest)
-    data = await read_page_body(request, settings.max_page_nbytes)
-    result = await run_in_threadpool(store.put_pages, [(claimed, data)])
+    async with request.app.state.upload_slots:  # bounds the upload buffers in memory
+        data = await read_page_body(request, settings.max_page_nbytes)
+        result = await run_in_threadpool(store.put_pages, [(claimed, data)])
+        del data
     return PagePut(digest=digest, new=result.new == 1, stored_nbytes=result.stored_nbytes)
 
 
 @router.post("/get", response_class=PageStreamResponse, status_code=200, responses={200: {
     "description": "the page stream (docs/api.md, kvstore/wire.py)",
     "content": {PAGE_STREAM_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}})
-async def get_pages(body: DigestList, store: StoreDep,
+async def get_pages(request: Request, body: DigestList, store: StoreDep,
                     settings: SettingsDep) -> PageStreamResponse:
     """Read pages as one binary stream. Every page is verified before the first byte
     is sent, so any failure (404, integrity 500) is a JSON error, never a cut stream."""
@@ -71,6 +73,14 @@ async def get_pages(body: DigestList, store: StoreDep,
     if sum(sizes) > settings.max_batch_nbytes:
         raise PayloadTooLarge(f"{sum(sizes)} bytes of pages in one read; the limit is "
                               f"{settings.max_batch_nbytes}. Split the request")
-    context = store.get_pages(digests)
-    views = await run_in_threadpool(context.__enter__)
-    return PageStreamResponse(digests, views, context, stream_nbytes(sizes))
+    # A slot bounds the zstd pages decoded in memory (up to max_batch_nbytes per read);
+    # the response releases it with the read transaction.
+    slots = request.app.state.read_slots
+    await slots.acquire()
+    try:
+        context = store.get_pages(digests)
+        views = await run_in_threadpool(context.__enter__)
+    except BaseException:
+        slots.release()
+        raise
+    return PageStreamResponse(digests, views, context, stream_nbytes(sizes), slots.release)

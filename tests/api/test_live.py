@@ -72,3 +72,45 @@ def test_fast_path_reads_while_the_server_writes_and_grows_its_map(live_server):
     check = httpx.post(live_server.url + "/v1/admin/check", json={"read_data": True},
                        headers={"Authorization": f"Bearer {ADMIN}"}, timeout=120).json()
     assert check["ok"], check["problems"][:5]
+
+
+def test_a_reader_that_goes_away_releases_its_read_slot(tmp_path):
+    """With one read slot, a client that drops a batch read part-way must not block the
+    next reader: the response releases the slot and the read transaction."""
+    import socket
+
+    from tests.api.conftest import LiveServer
+    (tmp_path / "store").mkdir()
+    server = LiveServer(tmp_path / "store", {"KVSTORE_MAX_CONCURRENT_READS": "1"})
+    try:
+        run_worker("save", server.url, "", "default", 3, 1)
+        records, _ = plan_prefix(identity(), "default", prompt(3))
+        digests = [d.hex() for r in records for d in r.pages]
+        body = json.dumps({"digests": digests}).encode()
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", server.port)) as s:
+                s.sendall(b"POST /v1/pages/get HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                assert s.recv(4096).startswith(b"HTTP/1.1 200")
+            # the socket is closed with most of the 8 MiB stream unread
+        want = expected_blake3("default", 3)
+        assert run_worker("restore", server.url, "", "default", 3, 1, timeout=60)[0]["blake3"] == want
+        assert server.alive()
+    finally:
+        server.stop()
+
+
+def test_parallel_read_streams_fill_the_right_buffers(live_server, monkeypatch):
+    import numpy as np
+
+    from kvstore import client
+    from kvstore.client import RemoteStore
+    monkeypatch.setattr(client, "PARALLEL_MIN_NBYTES", 1 << 20)
+    run_worker("save", live_server.url, USER_A, "team-a", 20, 1)
+    records, _ = plan_prefix(identity(), "team-a", prompt(20))
+    digests = [d for r in records for d in r.pages]
+    want = expected_pages(identity(), records)
+    with RemoteStore(live_server.url, USER_A, read_streams=3) as store:
+        buffers = [np.empty(len(w), np.uint8) for w in want]
+        assert store.read_pages_into(digests, buffers) == sum(map(len, want))
+        assert [b.tobytes() for b in buffers] == want
