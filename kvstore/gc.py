@@ -30,7 +30,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from kvstore import faults
+from kvstore import faults, fileio
 from kvstore.errors import GCAborted, InvalidInput
 from kvstore.pages import accounted_nbytes
 from kvstore.store import Store, _delete_page, _get_u64
@@ -75,7 +75,7 @@ class GCPlan:
         GCAborted when another GC holds the lock or when the plan is older than its
         grace period. Returns what was deleted."""
         lock_path = self.store.path / "gc.lock"
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = fileio.open_lock(lock_path)  # never follows a planted symlink
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -29,7 +29,7 @@ from typing import Callable, TypeVar
 
 import lmdb
 
-from kvstore import faults
+from kvstore import faults, fileio
 from kvstore.errors import StoreFull, StoreIOError
 
 T = TypeVar("T")
@@ -213,9 +213,14 @@ class LmdbEnv:
         while True:
             with self._lock.shared():
                 try:
-                    with env.begin(write=True, buffers=buffers) as txn:
+                    txn = env.begin(write=True, buffers=buffers)
+                    try:
                         result = fn(txn, self._dbs)
                         faults.crash_point("index_before_commit")
+                    except BaseException:
+                        txn.abort()
+                        raise
+                    fileio.commit_txn(txn, what)  # aborts, and raises typed, on a fault
                     faults.crash_point("index_committed")
                     return result
                 except lmdb.MapResizedError:
