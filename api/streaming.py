@@ -51,21 +51,28 @@ class PageStreamResponse(Response):
                 if self.release is not None:
                     self.release()
 
-    async def _send_frames(self, send) -> None:
-        # pieces: small frame heads and slices of page views, at most CHUNK_NBYTES of
-        # them pending; b"".join copies each byte exactly once into a fresh bytes.
-        pending, pending_nbytes, total = [stream_header(len(self.digests))], 0, 0
+    def _pieces(self):
+        """The stream in order: header, (frame head, page view) per page, end marker."""
+        yield stream_header(len(self.digests))
+        total = 0
         for digest, view in zip(self.digests, self.views, strict=True):
-            pending.append(frame_head(digest, len(view)))
+            yield frame_head(digest, len(view))
+            yield view
             total += len(view)
+        yield stream_end(len(self.digests), total)
+
+    async def _send_frames(self, send) -> None:
+        # Bodies of exactly CHUNK_NBYTES (the last one shorter): pending holds slices
+        # of pieces, and b"".join copies each byte exactly once into a fresh bytes.
+        pending, pending_nbytes = [], 0
+        for piece in self._pieces():
             at = 0
-            while at < len(view):
-                take = min(CHUNK_NBYTES - pending_nbytes, len(view) - at)
-                pending.append(view[at : at + take])
+            while at < len(piece):
+                take = min(CHUNK_NBYTES - pending_nbytes, len(piece) - at)
+                pending.append(piece[at : at + take])
                 pending_nbytes, at = pending_nbytes + take, at + take
-                if pending_nbytes >= CHUNK_NBYTES:
+                if pending_nbytes == CHUNK_NBYTES:
                     body = b"".join(pending)
                     pending, pending_nbytes = [], 0
                     await send({"type": "http.response.body", "body": body, "more_body": True})
-        pending.append(stream_end(len(self.digests), total))
         await send({"type": "http.response.body", "body": b"".join(pending), "more_body": False})
