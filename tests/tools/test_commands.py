@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import typer
 
@@ -225,3 +227,33 @@ def test_the_kvstore_cli_carries_every_command(store_dir):
     path, _ = store_dir
     ran = CliRunner().invoke(app, ["ls", "--json", "-d", str(path)])
     assert ran.exit_code == EXIT_OK and len(ran.stdout) > 2
+
+
+def test_long_work_draws_progress_with_bytes_rate_and_eta(tmp_path, monkeypatch):
+    """On a terminal, check --read-data, gc, export and import draw a rich progress bar
+    (bytes done/total, bytes/s, ETA); off a terminal (pipes, CI) they draw nothing."""
+    import io
+
+    from rich.console import Console
+
+    from tools.commands import common
+
+    path = tmp_path / "store"
+    build_store(path)
+    with Store(path) as store:
+        from kvstore.ids import page_digest
+
+        loose = [bytes([i]) * 5000 for i in range(3)]
+        store.put_pages({page_digest(p): p for p in loose})
+    for args, label in ((["check", "--read-data"], "check --read-data"), (["gc", "--grace", "0"], "gc"),
+                        (["export", "system-prompt", tmp_path / "sp.safetensors"], "export"),
+                        (["import", tmp_path / "sp.safetensors", "--name", "sp2"], "import")):
+        screen = io.StringIO()
+        monkeypatch.setattr(common, "stderr", Console(file=screen, force_terminal=True, width=120))
+        assert run(*args, "-d", path).code == EXIT_OK, args
+        drawn = screen.getvalue()
+        done = re.search(r"\d+(\.\d)?/\d+(\.\d)? (bytes|KiB)", drawn)  # bytes done / total
+        assert label in drawn and done and "0:00:00" in drawn, (label, drawn[-500:])
+    monkeypatch.setattr(common, "stderr", Console(file=io.StringIO(), force_terminal=False))
+    assert run("check", "--read-data", "-d", path).code == EXIT_OK
+    assert common.stderr.file.getvalue() == ""

@@ -10,6 +10,7 @@ from tools.commands.common import (
     EXIT_NOT_FOUND,
     EXIT_OK,
     EXIT_PROBLEMS,
+    EXIT_USAGE,
 )
 
 
@@ -64,6 +65,14 @@ def test_export_and_import_over_http(service, tmp_path):
     again = remote(service, "import", out, "--name", "short-copy", "--json")
     assert again.code == EXIT_OK and again.json()["new_pages"] == 0
     assert remote(service, "show", "team-a/short-copy", "--json").json()["manifest"]["num_tokens"] == 12
+
+
+def test_url_wins_over_kvstore_dir_but_not_over_an_explicit_data_dir(service, tmp_path):
+    env = {"KVSTORE_DIR": "./var/kvstore"}
+    ran = run("ls", "--json", "--url", service, "--token", ADMIN_TOKEN, env=env)
+    assert ran.code == EXIT_OK and len(ran.json()["entries"]) >= 3
+    both = run("ls", "--url", service, "--token", ADMIN_TOKEN, "--data-dir", tmp_path)
+    assert both.code == EXIT_USAGE
 
 
 def test_unreachable_service_fails_cleanly():

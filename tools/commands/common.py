@@ -111,7 +111,8 @@ class Target:
 
 
 def target(data_dir: Optional[Path], url: Optional[str], token: Optional[str]) -> Target:
-    if url and data_dir and os.environ.get("KVSTORE_DIR") != str(data_dir):
+    from_env = os.environ.get("KVSTORE_DIR")
+    if url and data_dir and not (from_env and Path(from_env) == Path(data_dir)):
         fail("pass --data-dir or --url, not both", EXIT_USAGE)
     return Target(None if url else data_dir, url or None, token or None)
 
