@@ -36,6 +36,7 @@ decode, so they are refused with IncompatibleFormat.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -117,6 +118,8 @@ def export_checkpoint(store, ckpt: Checkpoint, path: Path, progress: Progress = 
                     f.write(view)
                     if progress:
                         progress(len(view))
+        f.flush()
+        os.fsync(f.fileno())  # the rename below must not publish a file that is not on disk
     tmp.replace(path)
     return ExportResult(str(path), 8 + len(raw) + offset, len(pages), len(records), len(ckpt.tokens),
                         identity.format_id_hex)

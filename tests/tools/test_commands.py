@@ -132,7 +132,10 @@ def test_usage_and_not_found_exit_codes(store_dir, tmp_path):
     assert run("show", "no-such-checkpoint", "-d", path).code == EXIT_NOT_FOUND
     assert run("show", "default/no-such", "-d", path).code == EXIT_NOT_FOUND
     assert run("export", "nope", tmp_path / "x.safetensors", "-d", path).code == EXIT_NOT_FOUND
-    assert run("import", tmp_path / "missing.safetensors", "-d", path).code == EXIT_PROBLEMS
+    assert run("import", tmp_path / "missing.safetensors", "-d", path).code == EXIT_NOT_FOUND
+    assert run("export", "native", tmp_path / "x.bin", "--mlx-lm", "-d", path).code == EXIT_USAGE
+    assert run("export", "native", tmp_path / "no" / "dir.safetensors", "-d", path).code == EXIT_NOT_FOUND
+    assert run("show", "../etc", "-d", path).code == EXIT_USAGE
     assert run("check", "--subset", "3/2", "-d", path).code == EXIT_USAGE
     assert run("evict", "--to", "lots", "-d", path).code == EXIT_USAGE
     assert run("gc", "--grace", "soon", "-d", path).code == EXIT_USAGE

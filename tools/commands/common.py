@@ -188,6 +188,8 @@ def store_errors() -> Iterator[None]:
         fail(f"{exc} [{getattr(exc, 'code', type(exc).__name__)}]", exit_code_for(exc))
     except httpx.TransportError as exc:
         fail(f"cannot reach the service: {exc}", EXIT_PROBLEMS)
+    except FileNotFoundError as exc:
+        fail(str(exc), EXIT_NOT_FOUND)
     except OSError as exc:
         fail(str(exc), EXIT_PROBLEMS)
 

@@ -9,11 +9,14 @@ import typer
 
 from tools import portable
 from tools.commands.common import (
+    EXIT_NOT_FOUND,
+    EXIT_USAGE,
     DataDirOption,
     JsonOption,
     TokenOption,
     UrlOption,
     emit_json,
+    fail,
     human_bytes,
     open_store,
     progress_bar,
@@ -43,6 +46,10 @@ def export(
 
         kvstore export default/system-prompt-v3 sys.safetensors
     """
+    if mlx_lm and file.suffix != ".safetensors":
+        fail("mlx-lm prompt-cache files must end in .safetensors (load_prompt_cache needs it)", EXIT_USAGE)
+    if not file.parent.is_dir():
+        fail(f"no directory {file.parent} to write {file.name} into", EXIT_NOT_FOUND)
     with open_store(target(data_dir, url, token)) as store, store_errors():
         ckpt = _find_checkpoint(store, name, namespace)
         total = sum(store.page_nbytes([d for r in store.get_blocks(ckpt.chain_keys) for d in r.pages]
