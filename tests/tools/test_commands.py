@@ -128,7 +128,9 @@ def test_stats_reports_usage_dedup_and_largest(store_dir):
 def test_usage_and_not_found_exit_codes(store_dir, tmp_path):
     path, _ = store_dir
     assert run("ls", "-d", tmp_path / "nothing-here").code == EXIT_NOT_FOUND
-    assert not (tmp_path / "nothing-here").exists(), "a read-only command created a store"
+    assert run("gc", "-d", tmp_path / "nothing-here").code == EXIT_NOT_FOUND
+    assert run("evict", "--to", "1G", "-d", tmp_path / "nothing-here").code == EXIT_NOT_FOUND
+    assert not (tmp_path / "nothing-here").exists(), "a command other than import created a store"
     assert run("show", "no-such-checkpoint", "-d", path).code == EXIT_NOT_FOUND
     assert run("show", "default/no-such", "-d", path).code == EXIT_NOT_FOUND
     assert run("export", "nope", tmp_path / "x.safetensors", "-d", path).code == EXIT_NOT_FOUND

@@ -118,12 +118,12 @@ def target(data_dir: Optional[Path], url: Optional[str], token: Optional[str]) -
 
 
 @contextmanager
-def open_store(where: Target, *, write: bool = False) -> Iterator[Any]:
+def open_store(where: Target, *, write: bool = False, create: bool = False) -> Iterator[Any]:
     """The store object for a command: Store for a directory, RemoteStore for a URL.
 
-    Read-only commands open the directory read-only, so they never create a store
-    where none was and never take a writer's place; a missing directory is 'not
-    found' (exit 3), not a new empty store."""
+    Read-only commands open the directory read-only, so they never take a writer's
+    place. Only `create` (import) makes a new store; for every other command a
+    missing store is 'not found' (exit 3), not a new empty one."""
     if where.remote:
         from kvstore.client import RemoteStore
 
@@ -133,7 +133,7 @@ def open_store(where: Target, *, write: bool = False) -> Iterator[Any]:
     from kvstore.store import Store
 
     path = Path(where.data_dir or DEFAULT_DATA_DIR)
-    if not (path / "data.mdb").exists() and not write:
+    if not (path / "data.mdb").exists() and not create:
         fail(f"no store at {path} (pass --data-dir, set KVSTORE_DIR, or --url)", EXIT_NOT_FOUND)
     with store_errors():
         store = Store(path, readonly=not write)

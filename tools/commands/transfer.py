@@ -97,7 +97,7 @@ def import_(
                "format_id": pf.identity.format_id_hex, "tokens": len(pf.checkpoint.tokens),
                "pages": len(pf.page_nbytes), "page_nbytes": pf.total_page_nbytes}
     else:
-        with open_store(target(data_dir, url, token), write=True) as store, store_errors():
+        with open_store(target(data_dir, url, token), write=True, create=True) as store, store_errors():
             with progress_bar(not as_json) as bar:
                 task = bar.add_task("import", total=pf.total_page_nbytes or None)
                 doc = portable.import_export(store, pf, name=name, namespace=namespace,
