@@ -39,7 +39,7 @@ ROWS_PER_BLOCK = 4
 NUM_WARPS = 4
 TARGET_BLOCKS = 132 * 2  # two blocks per SM of an H200 (132 SMs): best of the sweep in docs/kernels.md
 MIN_SPLIT_TOKENS = 256
-UNROLL = 4  # tokens a lane group loads before reducing (2 for float32 pages: registers)
+UNROLL = 2  # tokens a lane group loads per step (halved for float32 pages: registers)
 TABLE_CAP = 256  # block-table entries a split block stages in shared memory
 DIMS_PER_LANE = 16  # head_dim values per lane; a lane group is D / DIMS_PER_LANE lanes
 
