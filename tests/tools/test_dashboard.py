@@ -7,10 +7,14 @@ browser tests skip with a loud reason. A screenshot is kept in test-artifacts/."
 
 from __future__ import annotations
 
+import base64
+import json
 import re
 import shutil
 import subprocess
+import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -101,6 +105,81 @@ def test_page_without_token_asks_for_one(service):
     assert "a token is required" in dom
     wrong = browse(f"{service}/#token=not-the-token-at-all", "--dump-dom")
     assert rows(wrong) == [] and "the token was refused" in wrong
+
+
+class DevTools:
+    """One page of a headless Chromium, driven over the DevTools protocol (websockets,
+    already a dependency through uvicorn[standard]): enough to type and read back."""
+
+    def __init__(self, ws):
+        self.ws = ws
+        self.next_id = 0
+
+    def send(self, method: str, **params) -> dict:
+        self.next_id += 1
+        self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
+        while True:
+            message = json.loads(self.ws.recv(timeout=60))
+            if message.get("id") == self.next_id:
+                assert "error" not in message, message
+                return message["result"]
+
+    def eval(self, expression: str):
+        return self.send("Runtime.evaluate", expression=expression, returnByValue=True)["result"].get("value")
+
+    def wait_for(self, expression: str, timeout_s: float = 30.0):
+        deadline = time.monotonic() + timeout_s
+        while not self.eval(expression):
+            assert time.monotonic() < deadline, f"timed out waiting for {expression}"
+            time.sleep(0.1)
+
+
+@contextmanager
+def devtools(url: str, profile: Path):
+    from websockets.sync.client import connect
+
+    proc = subprocess.Popen(
+        [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         "--no-first-run", "--hide-scrollbars", "--window-size=1280,900",
+         "--remote-debugging-port=0", f"--user-data-dir={profile}", url],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        port, deadline = None, time.monotonic() + 60
+        while port is None:
+            assert time.monotonic() < deadline and proc.poll() is None, "no DevTools port"
+            match = re.search(r"DevTools listening on ws://127\.0\.0\.1:(\d+)/", proc.stderr.readline())
+            port = match and int(match.group(1))
+        targets = httpx.get(f"http://127.0.0.1:{port}/json/list").json()
+        page = next(t for t in targets if t["type"] == "page")
+        with connect(page["webSocketDebuggerUrl"], max_size=None) as ws:
+            yield DevTools(ws)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+ROWS_JS = "[...document.querySelectorAll('#checkpoints tbody tr')].map(r => r.dataset.name)"
+
+
+def test_typing_in_search_filters_the_table(service, tmp_path):
+    """Real keystrokes (Input.insertText) into the search box; the screenshot kept in
+    test-artifacts/ shows the filtered page."""
+    pytest.importorskip("websockets")
+    with devtools(f"{service}/#token={TOKEN}", tmp_path / "profile") as browser:
+        browser.wait_for(f"{ROWS_JS}.length === 3")
+        browser.eval("document.querySelector('#search').focus()")
+        browser.send("Input.insertText", text="system")
+        assert browser.eval(ROWS_JS) == ["default/system-prompt"]
+        assert browser.eval("document.querySelector('#shown').textContent") == "1 of 3 shown"
+        ARTIFACTS.mkdir(exist_ok=True)
+        shot = browser.send("Page.captureScreenshot", format="png")["data"]
+        (ARTIFACTS / "dashboard-search.png").write_bytes(base64.b64decode(shot))
+        browser.eval("document.querySelector('#search').select()")
+        browser.send("Input.insertText", text="k8v4 team")
+        assert browser.eval(ROWS_JS) == ["team-a/short"]
+        browser.eval("document.querySelector('#search').select()")
+        browser.send("Input.insertText", text="no-such-thing")
+        assert browser.eval(ROWS_JS) == []
 
 
 def test_screenshot_is_kept(service):
