@@ -84,7 +84,7 @@ stderr = Console(stderr=True, highlight=False, width=_WIDTH)
 # -- shared options ----------------------------------------------------------------------
 DataDirOption = typer.Option(
     None, "--data-dir", "-d", envvar="KVSTORE_DIR", show_envvar=True,
-    help="store directory [default ./var/kvstore]")
+    help="store directory (default ./var/kvstore)")
 UrlOption = typer.Option(
     None, "--url", envvar="KVSTORE_URL", show_envvar=True,
     help="a running service instead of a directory, e.g. http://127.0.0.1:8700")

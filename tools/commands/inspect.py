@@ -99,8 +99,8 @@ def ls(
 
 def show(
     what: str = typer.Argument(..., metavar="NAME|CHAIN_KEY|DIGEST",
-                               help="a checkpoint [namespace/]name, a block chain key, a page digest or a format id (64 hex)"),
-    namespace: Optional[str] = typer.Option(None, "--namespace", "-n", help="namespace of a checkpoint NAME [default: search all]"),
+                               help="a checkpoint (namespace/)name, a block chain key, a page digest or a format id (64 hex)"),
+    namespace: Optional[str] = typer.Option(None, "--namespace", "-n", help="namespace of a checkpoint NAME (default: search all)"),
     data_dir: Optional[Path] = DataDirOption, url: Optional[str] = UrlOption,
     token: Optional[str] = TokenOption, as_json: bool = JsonOption,
 ) -> None:

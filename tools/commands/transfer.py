@@ -31,10 +31,10 @@ ImportFileArgument = typer.Argument(..., metavar="FILE", help="a file written by
 
 
 def export(
-    name: str = typer.Argument(..., metavar="NAME", help="checkpoint [namespace/]name"),
+    name: str = typer.Argument(..., metavar="NAME", help="checkpoint (namespace/)name"),
     file: Path = ExportFileArgument,
     mlx_lm: bool = typer.Option(False, "--mlx-lm", help="write an mlx-lm prompt-cache file instead (native formats only)"),
-    namespace: Optional[str] = typer.Option(None, "--namespace", "-n", help="namespace of NAME [default: search all]"),
+    namespace: Optional[str] = typer.Option(None, "--namespace", "-n", help="namespace of NAME (default: search all)"),
     data_dir: Optional[Path] = DataDirOption, url: Optional[str] = UrlOption,
     token: Optional[str] = TokenOption, as_json: bool = JsonOption,
 ) -> None:
