@@ -62,6 +62,7 @@ def partitioned_attention(
     grouped = (prepare_queries(queries, layout) * scale).reshape(
         batch, shape.n_kv_heads, rows, shape.k_head_dim
     )
+    code_queries = CodeQueries(grouped, layout) if layout.packed else None
     if sinks is None:
         running_max = mx.full((batch, shape.n_kv_heads, rows, 1), -mx.inf, dtype=mx.float32)
         running_sum = mx.zeros((batch, shape.n_kv_heads, rows, 1), dtype=mx.float32)
@@ -77,10 +78,13 @@ def partitioned_attention(
         first_block = token0 // block_size
         stop_block = first_block + math.ceil(count / block_size)
         block_ids = clean_block_ids(block_tables, context_lens, block_size, first_block, stop_block)
-        keys, values = gather_pages(planes, layout, block_ids, mx.float32)
-        width = keys.shape[2]  # count rounded up to whole blocks
-
-        scores = grouped @ keys.transpose(0, 1, 3, 2)  # [B, Hkv, rows, width]
+        width = block_ids.shape[1] * block_size  # count rounded up to whole blocks
+        if layout.packed:
+            pages = PackedPartition(planes, layout, block_ids)
+            scores = pages.scores(code_queries)  # [B, Hkv, rows, width]
+        else:
+            keys, values = gather_pages(planes, layout, block_ids, mx.float32)
+            scores = grouped @ keys.transpose(0, 1, 3, 2)  # [B, Hkv, rows, width]
         visible = visibility_mask(
             context_lens, shape.num_queries, token0, width, causal=causal, window=window
         )
@@ -96,7 +100,8 @@ def partitioned_attention(
         weights = mx.exp(scores - shift)
         correction = mx.exp(running_max - shift)
         running_sum = running_sum * correction + weights.sum(axis=-1, keepdims=True)
-        output = output * correction + weights @ values
+        partial = pages.weighted_values(weights) if layout.packed else weights @ values
+        output = output * correction + partial
         running_max = new_max
 
     result = (output / running_sum).reshape(
@@ -110,3 +115,72 @@ def partition_size(partition_tokens: int, block_size: int) -> int:
     if partition_tokens <= 0:
         raise ValueError(f"partition_tokens must be positive, got {partition_tokens}")
     return max(1, math.ceil(partition_tokens / block_size)) * block_size
+
+
+class CodeQueries:
+    """Grouped queries split the way packed key codes are laid out.
+
+    grouped: [B, Hkv, R, Dk] float32 (scaled, rotated). Per group g of G dims:
+      parts  [B, Hkv, Gc, R, G] (8-bit) or even / odd dims [B, Hkv, Gc, R, G/2] (4-bit)
+      sums   [B, Hkv, R, Gc]    sum of the group's query values (for the offsets)
+    """
+
+    def __init__(self, grouped: mx.array, layout: PageLayout):
+        batch, heads, rows, dim = grouped.shape
+        self.groups = dim // layout.group_size
+        by_group = grouped.reshape(batch, heads, rows, self.groups, layout.group_size)
+        self.sums = by_group.sum(axis=-1)
+        by_group = by_group.transpose(0, 1, 3, 2, 4)  # [B, H, Gc, R, G]
+        if layout.k_bits == 8:
+            self.parts = [by_group]
+        else:
+            self.parts = [by_group[..., 0::2], by_group[..., 1::2]]
+
+
+class PackedPartition:
+    """One partition of packed pages, kept as codes: [B, Hkv, P, ...] per plane."""
+
+    def __init__(self, planes: dict[str, mx.array], layout: PageLayout, block_ids: mx.array):
+        self.layout = layout
+
+        def tokens(name):  # [B, n, H, bs, W] -> [B, H, n*bs, W]
+            x = planes[name][block_ids]
+            batch, count, heads, block, width = x.shape
+            return x.transpose(0, 2, 1, 3, 4).reshape(batch, heads, count * block, width)
+
+        self.k_codes, self.v_codes = tokens("k_codes"), tokens("v_codes")
+        self.k_scales, self.k_offsets = tokens("k_scales"), tokens("k_offsets")
+        self.v_scales, self.v_offsets = tokens("v_scales"), tokens("v_offsets")
+
+    def code_planes(self, codes: mx.array, bits: int) -> list[mx.array]:
+        """codes [B, H, P, W] -> per plane [B, H, Gc, P, G'] float32 (G' = G, or G/2 for the
+        low and high nibbles of 4-bit codes)."""
+        batch, heads, tokens, _ = codes.shape
+        groups = self.layout.group_size
+        raw = [codes] if bits == 8 else [codes & 0x0F, codes >> 4]
+        per_group = groups if bits == 8 else groups // 2
+        return [
+            plane.astype(mx.float32)
+            .reshape(batch, heads, tokens, -1, per_group)
+            .transpose(0, 1, 3, 2, 4)
+            for plane in raw
+        ]
+
+    def scores(self, queries: CodeQueries) -> mx.array:
+        """-> [B, H, R, P]: sum_g scale_g (q_g . codes_g) + offset_g sum(q_g)."""
+        planes = self.code_planes(self.k_codes, self.layout.k_bits)
+        dots = sum(q @ c.swapaxes(-1, -2) for q, c in zip(queries.parts, planes, strict=True))
+        scales = self.k_scales.transpose(0, 1, 3, 2)[:, :, :, None, :]  # [B, H, Gc, 1, P]
+        scaled = (dots * scales).sum(axis=2)
+        return scaled + queries.sums @ self.k_offsets.swapaxes(-1, -2)
+
+    def weighted_values(self, weights: mx.array) -> mx.array:
+        """weights [B, H, R, P] -> sum_p weights * v_p: [B, H, R, Dv]."""
+        batch, heads, rows, _ = weights.shape
+        scales = self.v_scales.transpose(0, 1, 3, 2)[:, :, :, None, :]  # [B, H, Gc, 1, P]
+        scaled = weights[:, :, None] * scales  # [B, H, Gc, R, P]
+        parts = [scaled @ c for c in self.code_planes(self.v_codes, self.layout.v_bits)]
+        if len(parts) == 2:  # even and odd dims back into order
+            parts = [mx.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)]
+        by_group = parts[0] + (weights @ self.v_offsets).transpose(0, 1, 3, 2)[..., None]
+        return by_group.transpose(0, 1, 3, 2, 4).reshape(batch, heads, rows, -1)
