@@ -5,7 +5,7 @@ Usage:
   python -m tools.bench.engine                 # scaled Qwen3-0.6B geometry, 1024-token prompt
   python -m tools.bench.engine --quick         # tiny model, 256-token prompt (about 30 s)
   python -m tools.bench.engine --size 0.6b     # the full ~0.6B model (slow on a CPU)
-  python -m tools.bench.engine --prompt 2048 --decode 64 --json
+  python -m tools.bench.engine --prompt 2048 --decode 64 --repeats 3 --json
 
 Per arm: prefill tokens/s (the prompt in chunks of --prefill-step, evaluated after each
 chunk, as mlx-lm's generate_step does), decode tokens/s (greedy, one token per step,
@@ -144,6 +144,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-step", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds over all arms; medians")
     parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     args = parser.parse_args(argv)
     size = args.size or ("quick" if args.quick else "scaled")
@@ -153,11 +154,17 @@ def main(argv=None) -> int:
 
     model, params = build_model(size, dtype)
     prompt = mx.random.randint(0, SIZES[size]["vocab_size"], (prompt_len,), dtype=mx.int32)
-    results = {}
+    samples: dict[str, list[dict]] = {}
     with engine.installed(model):
-        for name, factory in arms(model, args.block_size).items():
-            results[name] = measure(model, factory, prompt, decode, args.prefill_step)
-            print(f"  measured {name}", file=sys.stderr, flush=True)
+        # Arms take turns within each repeat, so load from other processes on a shared
+        # machine spreads over all of them instead of skewing the last ones.
+        for repeat in range(args.repeats):
+            for name, factory in arms(model, args.block_size).items():
+                samples.setdefault(name, []).append(
+                    measure(model, factory, prompt, decode, args.prefill_step))
+                print(f"  repeat {repeat + 1}/{args.repeats}: {name}", file=sys.stderr, flush=True)
+    results = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+               for name, runs in samples.items()}
     if args.json:
         print(json.dumps({"size": size, "params": params, "prompt": prompt_len, "decode": decode,
                           "dtype": args.dtype, "results": results}, indent=2))
@@ -170,7 +177,7 @@ def main(argv=None) -> int:
               "layer, fewer layers, smaller vocab) so the run fits a CPU; --size 0.6b runs "
               "the full model")
     print(f"prompt {prompt_len} tokens (prefill step {args.prefill_step}), decode {decode} "
-          f"tokens, block {args.block_size} tokens\n")
+          f"tokens, block {args.block_size} tokens, median of {args.repeats} round(s)\n")
     print(table(results, "mlx-lm KVCache"))
     return 0
 
