@@ -198,7 +198,7 @@ def _verify_page(report: CheckReport, digest: bytes, value) -> None:
     report.pages_read += 1
     report.bytes_read += len(value)
     try:
-        header, body = verify_stored(value)
+        header, body = verify_stored(value, digest)
         raw = decode_stored(header, body)
     except Exception as exc:  # zstd errors are not ValueErrors; every failure is damage
         report.add("page_damaged", digest.hex(), str(exc) or type(exc).__name__)

@@ -7,11 +7,15 @@
     8      8    raw_nbytes     u64be, length of the canonical uncompressed bytes
     16     8    stored_nbytes  u64be, length of what follows the header
     24     16   xxh3-128 of the stored bytes (big-endian digest as xxhash prints it)
-    40     8    reserved, zero (checked)
+    40     8    the first 8 bytes of the page's digest (its name), or zero
     48     ...  stored bytes
 
 The page's name stays blake3 of the raw bytes; the xxh3-128 lets every read verify
-the stored bytes at memory speed. The header is 48 bytes so that, in an LMDB overflow
+the stored bytes at memory speed. The xxh3 alone does not bind a record to its key: a
+record moved under another page's key (a misdirected write, a swapped pair) is
+self-consistent. So the header carries the first 8 bytes of the digest it was written
+for, and a read refuses a record whose prefix is not its key's (zero: a record written
+before the field existed, accepted). The header is 48 bytes so that, in an LMDB overflow
 page (16-byte page header), raw page data starts 64-byte aligned and can be viewed as
 any dtype without a copy.
 
@@ -50,28 +54,29 @@ class PageHeader:
     raw_nbytes: int
     stored_nbytes: int
     xxh3: bytes
+    digest_prefix: bytes = bytes(8)
 
     def pack(self) -> bytes:
         return HEADER.pack(MAGIC, self.codec, bytes(3), self.raw_nbytes, self.stored_nbytes,
-                           self.xxh3, bytes(8))
+                           self.xxh3, self.digest_prefix)
 
     @classmethod
     def unpack(cls, value) -> "PageHeader":
         """Parse a header. Every bit of it is meaningful: reserved bytes must be zero and
         a raw page's two lengths must agree, so one flipped bit anywhere in the header
-        is refused here or by the length and xxh3 checks in verify_stored."""
+        is refused here or by the length, xxh3 and digest-prefix checks in verify_stored."""
         if len(value) < HEADER_NBYTES:
             raise ValueError(f"page record of {len(value)} bytes is shorter than its header")
-        magic, codec, reserved_a, raw, stored, xxh, reserved_b = HEADER.unpack_from(value)
+        magic, codec, reserved_a, raw, stored, xxh, prefix = HEADER.unpack_from(value)
         if magic != MAGIC:
             raise ValueError(f"bad page magic {bytes(magic)!r}")
         if codec not in CODEC_NAMES:
             raise ValueError(f"unknown page codec {codec}")
-        if any(reserved_a) or any(reserved_b):
+        if any(reserved_a):
             raise ValueError("reserved header bytes are not zero")
         if codec == CODEC_RAW and raw != stored:
             raise ValueError(f"raw page with raw_nbytes {raw} != stored_nbytes {stored}")
-        return cls(codec, raw, stored, bytes(xxh))
+        return cls(codec, raw, stored, bytes(xxh), bytes(prefix))
 
 
 @dataclass(frozen=True)
@@ -87,8 +92,9 @@ class Compression:
             raise InvalidInput("min_saving must be in [0, 1)")
 
 
-def encode_page(raw, policy: Compression) -> tuple[bytes, bytes]:
-    """raw page bytes -> (header, stored bytes). stored may be `raw` itself (no copy)."""
+def encode_page(raw, policy: Compression, digest: bytes | None = None) -> tuple[bytes, bytes]:
+    """raw page bytes -> (header, stored bytes). stored may be `raw` itself (no copy).
+    `digest` (the page's name) is bound into the header; the store always passes it."""
     nbytes = len(raw)
     if nbytes > MAX_PAGE_NBYTES:
         raise InvalidInput(f"page of {nbytes} bytes exceeds the {MAX_PAGE_NBYTES}-byte page limit")
@@ -97,7 +103,8 @@ def encode_page(raw, policy: Compression) -> tuple[bytes, bytes]:
         frame = zstandard.ZstdCompressor(level=policy.level, write_content_size=True).compress(raw)
         if len(frame) <= nbytes * (1.0 - policy.min_saving):
             stored, codec = frame, CODEC_ZSTD
-    header = PageHeader(codec, nbytes, len(stored), xxhash.xxh3_128_digest(stored))
+    prefix = bytes(digest)[:8] if digest is not None else bytes(8)
+    header = PageHeader(codec, nbytes, len(stored), xxhash.xxh3_128_digest(stored), prefix)
     return header.pack(), stored
 
 
@@ -109,10 +116,15 @@ def _worth_compressing(raw, policy: Compression) -> bool:
     return len(frame) <= SAMPLE_NBYTES * (1.0 - policy.min_saving)
 
 
-def verify_stored(value) -> tuple[PageHeader, memoryview]:
-    """value: a full page record. Returns (header, stored bytes view) or raises ValueError
-    describing the damage. Checks length and xxh3-128, not blake3."""
+def verify_stored(value, digest: bytes | None = None) -> tuple[PageHeader, memoryview]:
+    """value: a full page record, read under key `digest`. Returns (header, stored bytes
+    view) or raises ValueError describing the damage. Checks length, xxh3-128 and that
+    the record was written for `digest`; not blake3."""
     header = PageHeader.unpack(value)
+    if (digest is not None and any(header.digest_prefix)
+            and header.digest_prefix != bytes(digest)[:8]):
+        raise ValueError(f"the record was written for page {header.digest_prefix.hex()}..., "
+                         "not for this one (misplaced or swapped)")
     body = memoryview(value)[HEADER_NBYTES:]
     if len(body) != header.stored_nbytes:
         raise ValueError(f"stored length {len(body)} != header's {header.stored_nbytes}")

@@ -300,7 +300,7 @@ class Store:
             checked.append((digest, data))
         new = existing = stored_total = 0
         for batch in _batches(checked, PUT_BATCH_NBYTES):
-            encoded = [(d, *encode_page(data, self.config.compression)) for d, data in batch]
+            encoded = [(d, *encode_page(data, self.config.compression, d)) for d, data in batch]
             n, e, s = self._lmdb.write(lambda txn, dbs: _write_pages(txn, dbs, encoded),
                                        what="storing pages", buffers=True)
             new, existing, stored_total = new + n, existing + e, stored_total + s
@@ -320,7 +320,7 @@ class Store:
                 if value is None:
                     self._raise_absent(txn, d)
                 try:
-                    header, body = verify_stored(value)
+                    header, body = verify_stored(value, d)
                     views.append(decode_stored(header, body))
                 except ValueError as exc:
                     damaged.append((d, str(exc)))
