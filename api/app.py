@@ -72,7 +72,8 @@ def create_app(store: Store | None = None, settings: Settings | None = None, *,
     errors.install(app)
     # add_middleware wraps: the last added is the outermost
     app.add_middleware(BodyLimitMiddleware, max_page_nbytes=settings.max_page_nbytes,
-                       max_json_nbytes=settings.max_json_nbytes)
+                       max_json_nbytes=settings.max_json_nbytes,
+                       max_batch_pages=settings.max_batch_pages)
     app.add_middleware(AuthMiddleware, tokens=tokens)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

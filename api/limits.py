@@ -7,8 +7,9 @@ BodyLimitMiddleware wraps every request's receive():
   - while the body streams in, more bytes than the limit is a 413, and more or fewer
     bytes than the declared Content-Length is a 400 (a lying length), so a route
     never acts on a body that was not what the client declared.
-The limit is max_page_nbytes for PUT /v1/pages/{digest} and max_json_nbytes for
-everything else.
+The limit is max_page_nbytes for PUT /v1/pages/{digest}, that plus the framing
+of max_batch_pages pages for a batch upload (POST /v1/pages/put), and
+max_json_nbytes for everything else.
 
 read_page_body reads an upload into one preallocated buffer and undoes an optional
 `Content-Encoding: zstd`, stopping at max_page_nbytes of output: a zstd bomb costs
@@ -23,20 +24,25 @@ import zstandard
 from fastapi import Request
 
 from api.errors import ApiError, BadRequest, PayloadTooLarge, error_response
+from kvstore.wire import stream_nbytes
 
 PAGE_PATH_PREFIX = "/v1/pages/"
+BATCH_UPLOAD_PATH = "/v1/pages/put"
 DECOMPRESS_CHUNK = 1 << 20
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app, max_page_nbytes: int, max_json_nbytes: int):
+    def __init__(self, app, max_page_nbytes: int, max_json_nbytes: int, max_batch_pages: int = 0):
         self.app = app
         self.max_page_nbytes = max_page_nbytes
         self.max_json_nbytes = max_json_nbytes
+        self.max_upload_nbytes = batch_upload_limit(max_page_nbytes, max_batch_pages)
 
     def limit_for(self, method: str, path: str) -> int:
         if method == "PUT" and path.startswith(PAGE_PATH_PREFIX):
             return self.max_page_nbytes
+        if method == "POST" and path == BATCH_UPLOAD_PATH:
+            return self.max_upload_nbytes
         return self.max_json_nbytes
 
     async def __call__(self, scope, receive, send):
@@ -77,6 +83,11 @@ class BodyLimitMiddleware:
         except ApiError as exc:  # raised outside a route (e.g. while FastAPI reads JSON)
             response = error_response(exc.status_code, exc.code, str(exc.detail))
             return await response(scope, receive, send)
+
+
+def batch_upload_limit(max_page_nbytes: int, max_batch_pages: int) -> int:
+    """A batch upload carries at most max_page_nbytes of page bytes plus its framing."""
+    return max_page_nbytes + stream_nbytes([0] * max_batch_pages)
 
 
 async def read_page_body(request: Request, max_nbytes: int) -> bytearray:

@@ -82,6 +82,12 @@ class PagePut(BaseModel):
     stored_nbytes: int
 
 
+class PutPages(BaseModel):
+    new: int
+    existing: int
+    stored_nbytes: int
+
+
 class PageSizes(BaseModel):
     nbytes: list[int]
 

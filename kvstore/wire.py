@@ -22,6 +22,9 @@ They live here, not in api/, because the client must not import api/.
        8      8    total page bytes (sum of nbytes)
        16     8    reserved, zero
 
+   The same stream is the body of a batch upload (POST /v1/pages/put), where
+   parse_stream checks it strictly, as client input.
+
    The response also carries an exact Content-Length. The end marker lets a reader
    that lost the length (a proxy re-chunked the body) detect truncation anyway.
    Every page was verified by the server's store before the first byte was sent, so
@@ -168,6 +171,48 @@ class PageStreamReader:
             raise StoreIOError(f"page stream ended early: {max(self._index, 0)} of "
                                f"{len(self._digests)} pages received")
         return self.total_nbytes
+
+
+def encode_stream(pages: Sequence[tuple[bytes, object]]) -> bytes:
+    """A whole page stream of (digest, page bytes) pairs as one bytes object (used for
+    batch uploads, whose size the caller bounds)."""
+    parts = [stream_header(len(pages))]
+    total = 0
+    for digest, data in pages:
+        view = memoryview(data).cast("B")
+        parts += (frame_head(bytes(PageDigest.coerce(digest)), view.nbytes), view)
+        total += view.nbytes
+    parts.append(stream_end(len(pages), total))
+    return b"".join(parts)
+
+
+def parse_stream(data, max_pages: int) -> list[tuple[PageDigest, memoryview]]:
+    """Split a complete page stream held in memory into (digest, view of its bytes);
+    no page is copied. Anything malformed is InvalidInput: this parses client input."""
+    view = memoryview(data).cast("B")
+    if len(view) < STREAM_HEADER.size + STREAM_END.size:
+        raise InvalidInput("page stream is shorter than its header and end marker")
+    magic, version, count = STREAM_HEADER.unpack_from(view)
+    if magic != STREAM_MAGIC or version != STREAM_VERSION:
+        raise InvalidInput(f"not a version-{STREAM_VERSION} page stream")
+    if count > max_pages:
+        raise InvalidInput(f"page stream declares {count} pages; the limit is {max_pages}")
+    at, out, total = STREAM_HEADER.size, [], 0
+    for i in range(count):
+        if at + FRAME_HEAD.size > len(view):
+            raise InvalidInput(f"page stream ends inside frame {i}")
+        digest, nbytes = FRAME_HEAD.unpack_from(view, at)
+        at += FRAME_HEAD.size
+        if nbytes > len(view) - at:
+            raise InvalidInput(f"frame {i} declares {nbytes} bytes; fewer follow")
+        out.append((PageDigest(digest), view[at : at + nbytes]))
+        at, total = at + nbytes, total + nbytes
+    if len(view) - at != STREAM_END.size:
+        raise InvalidInput("page stream does not end with its end marker")
+    magic, end_count, end_total = STREAM_END.unpack_from(view, at)
+    if magic != END_MAGIC or end_count != count or end_total != total:
+        raise InvalidInput("page stream end marker does not match its frames")
+    return out
 
 
 def read_stream_into(readinto: Callable[[memoryview], int], digests: Sequence,

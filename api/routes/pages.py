@@ -10,12 +10,12 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import SettingsDep, StoreDep
 from api.errors import ApiError, PayloadTooLarge
-from api.limits import read_page_body
-from api.schemas import HEX64_PATTERN, DigestList, MissingPages, PagePut, PageSizes
+from api.limits import batch_upload_limit, read_page_body
+from api.schemas import HEX64_PATTERN, DigestList, MissingPages, PagePut, PageSizes, PutPages
 from api.settings import Settings
 from api.streaming import PageStreamResponse
 from kvstore.ids import PageDigest
-from kvstore.wire import PAGE_STREAM_MEDIA_TYPE, stream_nbytes
+from kvstore.wire import PAGE_STREAM_MEDIA_TYPE, parse_stream, stream_nbytes
 
 router = APIRouter(prefix="/v1/pages", tags=["pages"])
 DigestPath = Annotated[str, Path(pattern=HEX64_PATTERN,
@@ -59,6 +59,29 @@ async def put_page(request: Request, digest: DigestPath, store: StoreDep,
         result = await run_in_threadpool(store.put_pages, [(claimed, data)])
         del data
     return PagePut(digest=digest, new=result.new == 1, stored_nbytes=result.stored_nbytes)
+
+
+@router.post("/put", response_model=PutPages, openapi_extra={"requestBody": {
+    "required": True,
+    "content": {media: {"schema": {"type": "string", "format": "binary"}}
+                for media in (PAGE_STREAM_MEDIA_TYPE, OCTET_STREAM)}}})
+async def put_pages(request: Request, store: StoreDep, settings: SettingsDep) -> PutPages:
+    """Store a batch of pages sent as one page stream (the framing of a batch read;
+    optionally `Content-Encoding: zstd`), at most max_page_nbytes of page bytes. All or
+    nothing: one digest mismatch (422) stores none of them. Idempotent."""
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media not in (PAGE_STREAM_MEDIA_TYPE, OCTET_STREAM):  # the body format is fixed
+        raise ApiError(415, "unsupported_media_type",
+                       f"send a batch as {PAGE_STREAM_MEDIA_TYPE}, not {media!r}")
+    limit = batch_upload_limit(settings.max_page_nbytes, settings.max_batch_pages)
+    async with request.app.state.upload_slots:
+        data = await read_page_body(request, limit)
+        pages = parse_stream(data, settings.max_batch_pages)
+        if sum(len(v) for _, v in pages) > settings.max_page_nbytes:
+            raise PayloadTooLarge(f"a batch carries at most {settings.max_page_nbytes} page bytes")
+        result = await run_in_threadpool(store.put_pages, pages)
+        del pages, data
+    return PutPages(new=result.new, existing=result.existing, stored_nbytes=result.stored_nbytes)
 
 
 @router.post("/get", response_class=PageStreamResponse, status_code=200, responses={200: {

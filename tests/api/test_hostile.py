@@ -250,3 +250,41 @@ def test_real_server_refuses_lies_and_bombs_with_bounded_memory(live_server):
                             headers={"Authorization": f"Bearer {ADMIN}"}).json()["page_count"]
     assert after_pages == before_pages
     assert live_server.alive()
+
+
+def test_malformed_batch_uploads_are_refused_and_store_nothing(guarded):
+    from kvstore.wire import (
+        FRAME_HEAD,
+        STREAM_END,
+        encode_stream,
+        frame_head,
+        stream_end,
+        stream_header,
+    )
+    a, b = os.urandom(1000), os.urandom(2000)
+    good = encode_stream([(page_digest(a), a), (page_digest(b), b)])
+    media = {"content-type": "application/vnd.kvstore.pages.v1"}
+    head_a = frame_head(page_digest(a), len(a))
+    cases = {
+        "truncated": (good[:-1], 400),
+        "trailing byte": (good + b"x", 400),
+        "count says 3": (stream_header(3) + good[16:], 400),
+        "count says 1": (stream_header(1) + good[16:], 400),
+        "frame longer than body": (stream_header(1) + frame_head(page_digest(a), 10**9) + a
+                                   + stream_end(1, 10**9), 400),
+        "end total lies": (good[: -STREAM_END.size] + stream_end(2, 5), 400),
+        "bad magic": (b"XXXX" + good[4:], 400),
+        "empty": (b"", 400),
+        "one digest wrong": (stream_header(2) + head_a + a + frame_head(page_digest(a), len(b)) + b
+                             + stream_end(2, 3000), 422),
+        "a million pages declared": (stream_header(10**6) + good[16:], 400),
+        "over the byte limit": (encode_stream([(page_digest(x), x) for x in
+                                               [os.urandom(40000), os.urandom(40000)]]), 413),
+    }
+    for label, (body, status) in cases.items():
+        r = guarded.post("/v1/pages/put", content=body, headers=media)
+        assert r.status_code == status, (label, r.status_code, r.text)
+        assert isinstance(r.json()["code"], str)
+    r = guarded.post("/v1/pages/put", content=good, headers={"content-type": "application/json"})
+    assert r.status_code == 415
+    assert FRAME_HEAD.size == 40
