@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import json
 import struct
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
+from kvstore.records import Checkpoint
 from kvstore.store import Store
+from tests.kvstore.factories import make_identity, make_layer, save_prefix
 from tests.tools.helpers import IDENTITY, build_store, run
 from tools.commands.common import EXIT_INCOMPATIBLE, EXIT_OK
+from tools.portable import export_checkpoint, import_export, read_export
 
 
 @pytest.fixture(scope="module")
@@ -194,3 +201,47 @@ def test_mlx_lm_export_of_an_engine_checkpoint_equals_the_live_cache(tmp_path):
                 x = x[..., : live.offset, :]
             assert x.shape == y.shape and mx.array_equal(x, y).item(), type(live).__name__
         assert getattr(live, "meta_state", None) == getattr(back, "meta_state", None)
+
+
+# -- the portable file is a codec: round trip over generated checkpoints -----------------------
+LAYER_CHOICES = [
+    dict(page_format="native-bf16"),
+    dict(page_format="native-f32", kv_heads=1, k_head_dim=8, v_head_dim=8),
+    dict(page_format="k8v4", group_size=8, scale_dtype="float32", rotation="signed-hadamard:7"),
+    dict(page_format="k4v4", group_size=16, scale_dtype="float32"),
+]
+
+
+@st.composite
+def checkpoints(draw):
+    layers = draw(st.lists(st.sampled_from(LAYER_CHOICES), min_size=1, max_size=3))
+    identity = make_identity(layers=tuple(make_layer(**spec) for spec in layers),
+                             block_size_tokens=draw(st.sampled_from([1, 4, 16])))
+    tokens = draw(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=70))
+    namespace = draw(st.sampled_from(["default", "team-a", "x.y_z-1"]))
+    name = draw(st.from_regex(r"[a-z][a-z0-9._-]{0,20}", fullmatch=True))
+    metadata = draw(st.dictionaries(st.text(max_size=8), st.integers() | st.text(max_size=8), max_size=3))
+    return identity, tokens, namespace, name, metadata
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(checkpoints())
+def test_portable_round_trip_over_generated_checkpoints(case):
+    identity, tokens, namespace, name, metadata = case
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        with Store(tmp / "a") as store:
+            saved = save_prefix(store, identity, namespace, tokens)
+            store.create_checkpoint(Checkpoint(name, namespace, identity.format_id, tuple(tokens),
+                                               saved.chain_keys, metadata=metadata))
+            first = export_checkpoint(store, store.get_checkpoint(namespace, name), tmp / "1.st")
+            digests = [d for r in saved.records for d in r.pages]
+            pages = store.read_pages(digests)
+        pf = read_export(tmp / "1.st")
+        assert pf.checkpoint.metadata == metadata and pf.identity == identity
+        with Store(tmp / "b") as store:
+            import_export(store, pf)
+            assert store.read_pages(digests) == pages
+            export_checkpoint(store, store.get_checkpoint(namespace, name), tmp / "2.st")
+        assert (tmp / "1.st").read_bytes() == (tmp / "2.st").read_bytes()
+        assert first.nbytes == (tmp / "1.st").stat().st_size
