@@ -21,13 +21,12 @@ from kvstore.errors import InvalidInput
 from kvstore.ids import ROOT_KEY
 from kvstore.pages import (
     PageHeader,
-    accounted_nbytes,
     decode_stored,
     trusted_header,
     verify_stored,
 )
 from kvstore.records import BlockRecord, Checkpoint
-from kvstore.store import COUNTERS, U64, Store, _get_u64, hash_page
+from kvstore.store import COUNTERS, U64, Store, _get_u64, hash_page, page_sizes
 
 PROBLEM_KINDS = {
     "page_damaged": "a page's stored bytes fail their header, length, xxh3 or blake3 check",
@@ -94,7 +93,7 @@ def check_store(store: Store, read_data: bool = False, subset: tuple[int, int] |
                 digest = bytes(key)
                 report.pages_checked += 1
                 # counted as written even when damaged: counters stay comparable
-                raw_nbytes, stored_nbytes = accounted_nbytes(value)
+                raw_nbytes, stored_nbytes = page_sizes(txn, dbs, digest, value)
                 page_raw[digest] = raw_nbytes
                 raw_total += raw_nbytes
                 stored_total += stored_nbytes

@@ -40,6 +40,8 @@ DATABASES = {
     "formats": "format id (32) -> canonical JSON of the FormatIdentity",
     "pages": "page digest (32) -> 48-byte header || stored bytes (kvstore/pages.py)",
     "page_times": "page digest (32) -> u64be ns of the last upload or dedup hit (GC grace)",
+    "page_sizes": "page digest (32) -> u64be raw nbytes || u64be stored nbytes, as counted "
+                  "when written (so damage to a record cannot skew the byte counters)",
     "refs": "page digest (32) -> u64be count of block records and checkpoints naming it",
     "quarantine": "page digest (32) -> the stored value that failed verification",
     "blocks": "chain key (32) -> block record (kvstore/records.py)",

@@ -57,6 +57,7 @@ from kvstore.records import BlockRecord, Checkpoint, checkpoint_key
 
 STORE_SCHEMA_VERSION = 1
 U64 = struct.Struct(">Q")
+SIZES = struct.Struct(">QQ")
 PUT_BATCH_NBYTES = 64 << 20  # LMDB caps dirty pages per transaction; batch page writes
 TOUCH_FLUSH_S = 10.0
 _BLAKE3_THREADS_FROM = 1 << 20
@@ -375,7 +376,7 @@ class Store:
                     continue
                 txn.put(d, value, db=dbs["quarantine"])
                 refs = _get_u64(txn, dbs["refs"], d)
-                _counter(txn, dbs, "referenced_raw_nbytes", -refs * accounted_nbytes(value)[0])
+                _counter(txn, dbs, "referenced_raw_nbytes", -refs * page_sizes(txn, dbs, d, value)[0])
                 _delete_page(txn, dbs, d)
         if not self._lmdb.readonly:
             self._lmdb.write(move, what="quarantining damaged pages")
@@ -675,6 +676,7 @@ def _write_pages(txn, dbs, encoded) -> tuple[int, int, int]:
             txn.put(digest, b"".join((header, stored)), db=dbs["pages"])
             _counter(txn, dbs, "raw_nbytes", raw_nbytes)
             _counter(txn, dbs, "stored_nbytes", HEADER_NBYTES + len(stored))
+            txn.put(digest, SIZES.pack(raw_nbytes, HEADER_NBYTES + len(stored)), db=dbs["page_sizes"])
             # a page re-uploaded after quarantine: its surviving references count again
             refs = _get_u64(txn, dbs["refs"], digest)
             if refs:
@@ -686,8 +688,15 @@ def _write_pages(txn, dbs, encoded) -> tuple[int, int, int]:
     return new, existing, stored_total
 
 
-def _forget_page_bytes(txn, dbs, value) -> None:
-    raw_nbytes, stored_nbytes = accounted_nbytes(value)
+def page_sizes(txn, dbs, digest: bytes, value) -> tuple[int, int]:
+    """(raw, stored) bytes a page was counted with when written: from `page_sizes`, or
+    recovered from the record itself for pages written before that database existed."""
+    raw = txn.get(digest, db=dbs["page_sizes"])
+    return SIZES.unpack(raw) if raw is not None else accounted_nbytes(value)
+
+
+def _forget_page_bytes(txn, dbs, digest: bytes, value) -> None:
+    raw_nbytes, stored_nbytes = page_sizes(txn, dbs, digest, value)
     _counter(txn, dbs, "raw_nbytes", -raw_nbytes)
     _counter(txn, dbs, "stored_nbytes", -stored_nbytes)
 
@@ -698,15 +707,16 @@ def _delete_page(txn, dbs, digest: bytes) -> int:
     if value is None:
         return 0
     freed = len(value)
-    _forget_page_bytes(txn, dbs, value)  # reads value before it modifies anything
+    _forget_page_bytes(txn, dbs, digest, value)  # reads value before it modifies anything
     txn.delete(digest, db=dbs["pages"])
+    txn.delete(digest, db=dbs["page_sizes"])
     txn.delete(digest, db=dbs["page_times"])
     return freed
 
 
 def _raw_nbytes_of(txn, dbs, digest: bytes) -> int:
     value = txn.get(digest, db=dbs["pages"])
-    return accounted_nbytes(value)[0] if value is not None else 0
+    return page_sizes(txn, dbs, digest, value)[0] if value is not None else 0
 
 
 def _add_ref(txn, dbs, digest: bytes, delta: int) -> int:

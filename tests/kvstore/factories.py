@@ -177,23 +177,27 @@ def stored_value(store: Store, digest: bytes) -> bytes:
 
 def flip_bit(store_path: Path, value: bytes, bit: int) -> int:
     """Flip bit `bit` (0 = the first bit of the 48-byte page header) of one stored page
-    value inside <store>/data.mdb, with no Store open. The value is found by content, so
-    it must occur exactly once (use random page bytes). Returns the file offset."""
+    value inside <store>/data.mdb, with no Store open. The value is found by content (use
+    random page bytes). LMDB leaves stale copies of rewritten pages in free pages and in
+    the free gap of leaf pages, so every copy is flipped: the stale ones are unreachable,
+    and the live one is damaged for sure. Returns the file offset of the first."""
     assert 0 <= bit < 8 * len(value), f"bit {bit} is outside the {len(value)}-byte value"
     data_path = Path(store_path) / "data.mdb"
     blob = data_path.read_bytes()
-    at = blob.find(value)
-    assert at >= 0, "page value not found in data.mdb"
-    assert blob.find(value, at + 1) < 0, "page value occurs twice in data.mdb"
-    offset = at + bit // 8
+    offsets, at = [], blob.find(value)
+    while at >= 0:
+        offsets.append(at + bit // 8)
+        at = blob.find(value, at + 1)
+    assert offsets, "page value not found in data.mdb"
     with open(data_path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ (1 << (bit % 8))]))
+        for offset in offsets:
+            f.seek(offset)
+            byte = f.read(1)[0]
+            f.seek(offset)
+            f.write(bytes([byte ^ (1 << (bit % 8))]))
         f.flush()
         os.fsync(f.fileno())
-    return offset
+    return offsets[0]
 
 
 def header_field_bits() -> dict[str, int]:
