@@ -40,7 +40,7 @@ def save_with_retry(store, namespace, tokens, checkpoint=None):
     records, payload = plan_prefix(IDENTITY, namespace, tokens)
     for _ in range(20):
         known = store.has_blocks([r.key for r in records])
-        needed = list(dict.fromkeys(d for r, k in zip(records, known) if not k for d in r.pages))
+        needed = list(dict.fromkeys(d for r, k in zip(records, known, strict=True) if not k for d in r.pages))
         absent = store.missing(needed)
         if absent:
             store.put_pages({d: payload[d] for d in absent})
