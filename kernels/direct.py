@@ -1,9 +1,10 @@
 """Direct paged attention: the host side shared by the CUDA and Metal kernels.
 
 Algorithm (split-K decode, the same on both backends):
-  1. Queries are rotated in float32 when keys are stored rotated, and viewed as grouped
-     rows [B, Hkv, rep*L, D] (a reshape, no copy). Up to ROWS_PER_BLOCK rows share one
-     pass over the pages, so a KV head's pages are read once per row chunk, not per head.
+  1. Queries are viewed as grouped rows [B, Hkv, rep*L, D] (a reshape, no copy) and,
+     when keys are stored rotated, rotated inside the kernel (signs, then a fast
+     Walsh-Hadamard transform, float32). Up to ROWS_PER_BLOCK rows share one pass over the
+     pages, so a KV head's pages are read once per row chunk, not once per query head.
   2. The visible token span [first_key, max_context) is cut into num_splits equal splits.
      One thread block per (split, KV head, row chunk, sequence) reads its split's tokens
      through the block table, straight from the packed (or native) planes: codes are
@@ -13,9 +14,11 @@ Algorithm (split-K decode, the same on both backends):
   3. A merge kernel combines the splits (and the sink logit, if any) with the
      log-sum-exp rule and writes [B, Hq, L, Dv] in the queries' dtype.
 
-Served: up to 8 queries, Dk == Dv in {16, 32, 64, 128, 256, 512}, group sizes that are
-multiples of the dims per lane (8, or 16 for D = 512), any block size, mask None / "causal", any window. Everything else is
-routed to the partitioned path by kernels/attention.py.
+Served: up to 8 queries, Dk == Dv a power of two from 16 to 512, group sizes that are
+multiples of the dims per lane (DIMS_PER_LANE), any block size, mask None or "causal", any
+window, sinks. Everything else is routed to the partitioned path by kernels/attention.py.
+Launch parameters come from the H200 sweep in docs/kernels.md ($KVSTORE_DIRECT_TUNING or
+apply_tuning() override them).
 
 Planes must be row-contiguous arrays (the pool's own arrays, not strided views): the
 kernel launcher would otherwise copy a whole pool plane per call.

@@ -185,7 +185,7 @@ def print_table(rows, copy_bps):
     dense_call = {(r["batch"], r["context"]): r["call_us"] for r in rows if r["method"] == "dense"}
     for r in rows:
         ratio = dense[(r["batch"], r["context"])] / r["us"]
-        gbps = f"{r['gbps']:.0f}" if r["gbps"] else "-"
+        gbps = "-" if not r["gbps"] else f"{r['gbps']:.0f}" if r["gbps"] >= 10 else f"{r['gbps']:.2f}"
         frac = f"{100 * r['copy_fraction']:.0f}%" if r["copy_fraction"] else "-"
         print(f"| {r['batch']} | {r['context']} | {r['method']} | {r['format']} | "
               f"{r['us']:.1f} | {ratio:.2f}x | {gbps} | {frac} | {r['call_us']:.1f} | "
