@@ -8,6 +8,7 @@ bodies back into the same exception types.
 
     status  code                   raised by
     400     invalid_input          InvalidInput: a bad digest, name, record or length
+    400     bad_request            a Content-Length that is malformed or lies; a bad body
     401     unauthorized           no token, or a token no one was given
     403     forbidden              a user token on an admin route, or another namespace
     404     not_found              NotFound (also any unknown path)
@@ -16,10 +17,10 @@ bodies back into the same exception types.
     409     incompatible_format    IncompatibleFormat (+ UnsupportedVersion): with `diff`
     409     missing_references     MissingReferences: upload those first, then retry
     409     gc_aborted             GCAborted: another GC runs, or the plan went stale
-    411     length_required        a page upload without Content-Length or chunked body
     413     payload_too_large      a body, a decompressed body or a batch over its limit
     415     unsupported_media_type a body encoding or content type the route does not take
     422     digest_mismatch        DigestMismatch: uploaded bytes hash to another digest
+    422     format_id_mismatch     a format identity that hashes to another id than its path
     422     validation_error       a body or parameter that fails its schema
     500     integrity_error        IntegrityError: stored bytes failed verification;
                                    `digest` names the page, now quarantined
@@ -61,7 +62,7 @@ STATUS_OF: list[tuple[type[errors.KVStoreError], int]] = [
 ]
 
 HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
-              405: "method_not_allowed", 411: "length_required", 413: "payload_too_large",
+              405: "method_not_allowed", 413: "payload_too_large",
               415: "unsupported_media_type", 422: "validation_error"}
 
 
