@@ -203,7 +203,7 @@ def flip_bit(store_path: Path, value: bytes, bit: int) -> int:
 def header_field_bits() -> dict[str, int]:
     """One bit inside each meaningful field of the page header (kvstore/pages.py)."""
     return {"magic": 0, "codec": 4 * 8, "reserved": 6 * 8 + 2, "raw_nbytes": 15 * 8,
-            "stored_nbytes": 23 * 8, "xxh3": 24 * 8 + 3, "reserved_tail": 45 * 8,
+            "stored_nbytes": 23 * 8, "xxh3": 24 * 8 + 3, "digest_prefix": 45 * 8,
             "body": HEADER_NBYTES * 8 + 1001}
 
 

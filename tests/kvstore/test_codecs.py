@@ -240,6 +240,9 @@ GOLDEN_BLOCK_RECORD = (  # docs/format.md section 8
 GOLDEN_HEADER_RAW = (  # encode_page(bytes(range(256)), Compression(enabled=False))[0]
     "4b5650310000000000000000000001000000000000000100f1f8a93f50849ac39408a4433b952d710000000000000000"
 )
+GOLDEN_HEADER_STORED = (  # the same with the page's digest, as the store writes it
+    "4b5650310000000000000000000001000000000000000100f1f8a93f50849ac39408a4433b952d714a495ba42461748e"
+)
 
 
 def golden_identity() -> FormatIdentity:
@@ -282,8 +285,11 @@ def test_golden_format_id():
 
 
 def test_golden_page_header():
-    header, stored = encode_page(bytes(range(256)), Compression(enabled=False))
-    assert header.hex() == GOLDEN_HEADER_RAW and bytes(stored) == bytes(range(256))
+    data = bytes(range(256))
+    header, stored = encode_page(data, Compression(enabled=False))
+    assert header.hex() == GOLDEN_HEADER_RAW and bytes(stored) == data
+    header, _ = encode_page(data, Compression(enabled=False), page_digest(data))
+    assert header.hex() == GOLDEN_HEADER_STORED
 
 
 def test_golden_block_record():
@@ -295,6 +301,7 @@ def test_golden_block_record():
 def test_format_doc_lists_the_same_golden_vectors():
     text = FORMAT_DOC.read_text()
     for value in (GOLDEN_PAGE_EMPTY, GOLDEN_PAGE_RANGE256, GOLDEN_CHAIN_1, GOLDEN_CHAIN_2,
-                  GOLDEN_CHAIN_3, GOLDEN_FORMAT_ID, GOLDEN_HEADER_RAW, GOLDEN_BLOCK_RECORD):
+                  GOLDEN_CHAIN_3, GOLDEN_FORMAT_ID, GOLDEN_HEADER_RAW, GOLDEN_HEADER_STORED,
+                  GOLDEN_BLOCK_RECORD):
         assert value in text, f"docs/format.md lacks golden vector {value}"
     assert GOLDEN_FORMAT_JSON in re.sub(r"\s*\n\s*", "", text) or GOLDEN_FORMAT_JSON in text
