@@ -36,7 +36,6 @@ decode, so they are refused with IncompatibleFormat.
 from __future__ import annotations
 
 import json
-import os
 import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -45,6 +44,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from kvstore.errors import IncompatibleFormat, KVStoreError, UnsupportedVersion
+from kvstore.fileio import AtomicFile
 from kvstore.format import NATIVE_FORMATS, FormatIdentity
 from kvstore.ids import PageDigest
 from kvstore.records import BlockRecord, Checkpoint, blocks_for_tokens
@@ -106,8 +106,9 @@ def export_checkpoint(store, ckpt: Checkpoint, path: Path, progress: Progress = 
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     path = Path(path)
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as f:
+    # <path>.partial, fsynced, renamed over path, directory fsynced; removed on any failure
+    # (kvstore.fileio.AtomicFile, where the reliability suite injects I/O faults)
+    with AtomicFile(path) as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         f.write(tokens.tobytes())
@@ -118,9 +119,6 @@ def export_checkpoint(store, ckpt: Checkpoint, path: Path, progress: Progress = 
                     f.write(view)
                     if progress:
                         progress(len(view))
-        f.flush()
-        os.fsync(f.fileno())  # the rename below must not publish a file that is not on disk
-    tmp.replace(path)
     return ExportResult(str(path), 8 + len(raw) + offset, len(pages), len(records), len(ckpt.tokens),
                         identity.format_id_hex)
 
