@@ -27,10 +27,12 @@ Errors. Error bodies become the kvstore.errors types the embedded Store raises, 
 the server's message (kvstore.wire.error_from_body); 401/403 become AccessDenied.
 
 Same-host fast path. RemoteStore(url, token, local_dir=DIR), where DIR is the
-server's store directory, opens it read-only (Store(DIR, readonly=True)) and reads
-pages from the LMDB map directly, verified as in the server; writes and control
-still go through HTTP. Reading the directory bypasses the service's namespaces:
-only processes trusted with the whole store should be given it.
+server's store directory, opens it read-only (Store(DIR, readonly=True)) and answers
+the reads of a restore from the LMDB map directly: lookup_prefix (replayed to the
+server in the background so it records the use) and pages, verified as in the
+server. Writes and control still go through HTTP. Reading the directory bypasses
+the service's namespaces: only processes trusted with the whole store should be
+given it.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ READ_BATCH_NBYTES = 256 << 20       # one batch read; under max_batch_nbytes
 PARALLEL_MIN_NBYTES = 16 << 20      # smaller reads go as one stream
 UPLOAD_BATCH_NBYTES = 32 << 20      # one batch upload; under the server's max_page_nbytes
 SEND_PIECE_NBYTES = 256 << 10
+MAX_PENDING_REPLAYS = 64            # fast-path lookups queued for the server
 RETRY_STATUSES = frozenset({502, 503, 504})
 COMPRESS_SAMPLE_NBYTES = 64 << 10
 
@@ -131,12 +134,17 @@ class RemoteStore:
         self._retries = retries
         self._read_streams = max(1, int(read_streams))
         self._executor = None
+        self._replayer = None
+        self._replays_pending = 0
+        self.last_replay_error: Exception | None = None
         self._pool_lock = threading.Lock()
         self._compress = compress_uploads
         self._formats: dict[bytes, FormatIdentity] = {}
         self._local = Store(local_dir, readonly=True) if local_dir is not None else None
 
     def close(self) -> None:
+        if self._replayer is not None:
+            self._replayer.shutdown(wait=True)  # pending lookups reach the server first
         if self._executor is not None:
             self._executor.shutdown()
         self._client.close()
@@ -348,10 +356,37 @@ class RemoteStore:
 
     def lookup_prefix(self, format_id, namespace: str, tokens: Sequence[int], *,
                       max_tokens: int | None = None) -> PrefixMatch:
-        body = self._post("/v1/prefix/lookup", {
-            "format_id": _format_id_bytes(format_id).hex(), "namespace": namespace,
-            "tokens": [int(t) for t in tokens], "max_tokens": max_tokens}, idempotent=True)
+        """With local_dir the lookup is answered from the map (the critical path of a
+        restore stays off the network) and replayed to the server in the background,
+        so it still records the use: LRU order and hit statistics. That is the store's
+        own contract for touches (kept in memory, written later; losing one only ages
+        the LRU order). A replay the server refuses is kept in last_replay_error."""
+        request = {"format_id": _format_id_bytes(format_id).hex(), "namespace": namespace,
+                   "tokens": [int(t) for t in tokens], "max_tokens": max_tokens}
+        if self._local is not None:
+            match = self._local.lookup_prefix(format_id, namespace, tokens, max_tokens=max_tokens)
+            self._replay(request)
+            return match
+        body = self._post("/v1/prefix/lookup", request, idempotent=True)
         return PrefixMatch(body["tokens_matched"], tuple(block_from_json(b) for b in body["blocks"]))
+
+    def _replay(self, request: dict) -> None:
+        with self._pool_lock:
+            if self._replays_pending >= MAX_PENDING_REPLAYS:
+                return  # only LRU information is lost
+            self._replays_pending += 1
+            if self._replayer is None:
+                self._replayer = ThreadPoolExecutor(1, thread_name_prefix="kvstore-replay")
+        self._replayer.submit(self._replay_one, request)
+
+    def _replay_one(self, request: dict) -> None:
+        try:
+            self._post("/v1/prefix/lookup", request, idempotent=True)
+        except Exception as exc:  # noqa: BLE001 - background: keep it for the caller
+            self.last_replay_error = exc
+        finally:
+            with self._pool_lock:
+                self._replays_pending -= 1
 
     # -- checkpoints -----------------------------------------------------------------------
     def create_checkpoint(self, checkpoint: Checkpoint, *, replace: bool = False) -> Checkpoint:

@@ -114,3 +114,21 @@ def test_parallel_read_streams_fill_the_right_buffers(live_server, monkeypatch):
         buffers = [np.empty(len(w), np.uint8) for w in want]
         assert store.read_pages_into(digests, buffers) == sum(map(len, want))
         assert [b.tobytes() for b in buffers] == want
+
+
+def test_fast_path_lookups_are_local_and_replayed_to_the_server(live_server):
+    from kvstore.client import AccessDenied, RemoteStore
+    run_worker("save", live_server.url, USER_A, "team-a", 30, 1)
+    fmt, tokens = identity(), prompt(30)
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    before = httpx.get(live_server.url + "/v1/stats", headers=admin).json()["lookups"]
+    with RemoteStore(live_server.url, USER_A) as remote:
+        over_http = remote.lookup_prefix(fmt.format_id, "team-a", tokens)
+    with RemoteStore(live_server.url, USER_A, local_dir=live_server.data_dir) as fast:
+        local = fast.lookup_prefix(fmt.format_id, "team-a", tokens)
+        assert local.tokens_matched == over_http.tokens_matched == 1000
+        assert local.chain_keys == over_http.chain_keys
+        fast.lookup_prefix(fmt.format_id, "team-b", tokens)  # the server refuses the replay
+    assert isinstance(fast.last_replay_error, AccessDenied)
+    after = httpx.get(live_server.url + "/v1/stats", headers=admin).json()["lookups"]
+    assert after == before + 2  # the HTTP lookup and the replayed one
