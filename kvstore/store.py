@@ -39,6 +39,8 @@ from kvstore.errors import (
     InvalidInput,
     MissingReferences,
     NotFound,
+    StoreFull,
+    StoreIOError,
     UnsupportedVersion,
 )
 from kvstore.format import FormatIdentity
@@ -620,7 +622,10 @@ class Store:
                 self._pending_touches[bytes(k)] = stamp
             due = time.monotonic() - self._touches_since > TOUCH_FLUSH_S
         if due and not self._lmdb.readonly:
-            self._flush_touches()
+            try:
+                self._flush_touches()
+            except (StoreIOError, StoreFull):
+                pass  # only LRU order is lost (see _apply_touches); the lookup itself succeeded
 
     def _flush_touches(self) -> None:
         with self._touch_lock:
