@@ -122,7 +122,8 @@ class AtomicFile:
 
     An exception inside the block (or a failed write, fsync or rename) unlinks the
     temporary file, leaves `path` as it was, and raises (StoreIOError / StoreFull for
-    I/O). The temporary is <path>.partial, opened O_EXCL|O_NOFOLLOW: a leftover from a
+    I/O). A failed fsync of the directory after the rename raises StoreIOError too,
+    with `path` complete but its rename perhaps not durable. The temporary is <path>.partial, opened O_EXCL|O_NOFOLLOW: a leftover from a
     crash is replaced only after unlinking it (unlink never follows a symlink)."""
 
     def __init__(self, path):
@@ -166,11 +167,15 @@ class AtomicFile:
                 self._fd = -1
                 _point("rename", self.tmp)
                 os.rename(self.tmp, self.path)
-                _fsync_dir(self.path.parent)
-                return False
             except OSError as exc:
                 self._discard()
                 raise _typed(exc, f"writing {self.path}") from None
+            try:
+                _fsync_dir(self.path.parent)
+            except OSError as exc:
+                raise StoreIOError(f"{self.path} was written in full, but syncing its directory "
+                                   f"failed ({exc}): the rename may not survive a crash") from None
+            return False
         self._discard()
         return False
 
