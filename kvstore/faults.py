@@ -16,6 +16,7 @@ import os
 CRASH_EXIT_CODE = 86
 STEPS = {
     "page_written": "pages are in the write transaction, before the index is touched",
+    "pages_synced": "put_pages committed a batch of pages (durable, no record names them yet)",
     "index_before_commit": "a write transaction is complete but not yet committed",
     "index_committed": "a write transaction committed (data and index synced)",
     "acknowledged": "a save returned to its caller",

@@ -306,6 +306,7 @@ class Store:
             encoded = [(d, *encode_page(data, self.config.compression, d)) for d, data in batch]
             n, e, s = self._lmdb.write(lambda txn, dbs: _write_pages(txn, dbs, encoded),
                                        what="storing pages", buffers=True)
+            faults.crash_point("pages_synced")
             new, existing, stored_total = new + n, existing + e, stored_total + s
         return PutResult(new, existing, stored_total)
 

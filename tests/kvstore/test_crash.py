@@ -99,6 +99,8 @@ def _loose_left(store, seed):
 CASES = {
     "page_written": [("page_written", lambda s, seed: _b_state(s, seed)["no_pages"]
                       and _b_state(s, seed)["no_blocks"])],
+    "pages_synced": [("pages_synced", lambda s, seed: _b_state(s, seed)["pages"]
+                      and _b_state(s, seed)["no_blocks"])],
     "index_before_commit": [
         ("index_before_commit:1", lambda s, seed: _b_state(s, seed)["no_pages"]),       # put_pages
         ("index_before_commit:2", lambda s, seed: _b_state(s, seed)["pages"]
