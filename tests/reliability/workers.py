@@ -12,6 +12,9 @@
                                             sleep PAUSE_S between saves
     gc-loop STORE GRACE                     plan + execute GC over and over until killed
     hold-reader STORE                       open a read transaction, print "ready", sleep
+    crash-op STORE TARGET OP SEED           set up a store, then run OP (save, delete, gc,
+                                            evict) with KVSTORE_CRASH_AT=TARGET; exits with
+                                            faults.CRASH_EXIT_CODE when it fires, 0 if not
 
 Writers follow the documented protocol: a commit refused with MissingReferences (GC
 took pages the writer uploaded but had not committed) uploads them again and retries.
@@ -161,6 +164,45 @@ def hold_reader(store_dir: str) -> None:
         time.sleep(3600)
 
 
+CRASH_A = list(range(1, 14))
+
+
+def crash_b(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [100_000 + rng.randrange(100_000) for _ in range(13 + seed % 7)]
+
+
+def crash_setup(store, seed: int) -> None:
+    """A (checkpoint a), A2 (checkpoint a2, deleted by op delete), C (unpinned: evict
+    removes it), and 300 loose pages (more than one GC batch)."""
+    from tests.kvstore.factories import save_prefix
+    from kvstore.ids import page_digest
+    save_prefix(store, IDENTITY, "ns", CRASH_A, checkpoint="a")
+    save_prefix(store, IDENTITY, "ns", [7] * 9 + [seed], checkpoint="a2")
+    save_prefix(store, IDENTITY, "ns", [8] * 11 + [seed])
+    rng = random.Random(seed)
+    loose = [rng.randbytes(300) for _ in range(300)]
+    store.put_pages({page_digest(p): p for p in loose})
+
+
+def crash_op(store_dir: str, target: str, op: str, seed: str) -> None:
+    from tests.kvstore.factories import gc_now, make_store, save_prefix
+    store = make_store(store_dir)
+    crash_setup(store, int(seed))
+    os.environ["KVSTORE_CRASH_AT"] = target
+    if op == "save":
+        save_prefix(store, IDENTITY, "ns", crash_b(int(seed)), checkpoint="b")
+    elif op == "delete":
+        store.delete_checkpoint("ns", "a2")
+    elif op == "gc":
+        gc_now(store)
+    elif op == "evict":
+        store.evict(0)
+    else:
+        raise SystemExit(f"unknown op {op}")
+    os._exit(0)  # the crash point never fired
+
+
 def serve() -> None:
     from api.server import serve as run_server
     from api.settings import Settings
@@ -168,7 +210,8 @@ def serve() -> None:
 
 
 COMMANDS = {"serve": serve, "remote-writer": remote_writer, "remote-reader": remote_reader,
-            "local-writer": local_writer, "gc-loop": gc_loop, "hold-reader": hold_reader}
+            "local-writer": local_writer, "gc-loop": gc_loop, "hold-reader": hold_reader,
+            "crash-op": crash_op}
 
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
