@@ -175,8 +175,8 @@ def crash_b(seed: int) -> list[int]:
 def crash_setup(store, seed: int) -> None:
     """A (checkpoint a), A2 (checkpoint a2, deleted by op delete), C (unpinned: evict
     removes it), and 300 loose pages (more than one GC batch)."""
-    from tests.kvstore.factories import save_prefix
     from kvstore.ids import page_digest
+    from tests.kvstore.factories import save_prefix
     save_prefix(store, IDENTITY, "ns", CRASH_A, checkpoint="a")
     save_prefix(store, IDENTITY, "ns", [7] * 9 + [seed], checkpoint="a2")
     save_prefix(store, IDENTITY, "ns", [8] * 11 + [seed])
