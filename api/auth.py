@@ -14,7 +14,7 @@ for an admin over every namespace) and from a tokens file:
     namespace = "*"                     # "*" only for admins: every namespace
     admin = true
 
-AuthMiddleware authenticates every HTTP request except PUBLIC_PATHS before routing
+AuthMiddleware authenticates every HTTP request except public_paths() before routing
 (so an unknown path without a token is a 401, and a route added later cannot forget
 authentication). Routes authorize with the dependencies below: require_admin, and
 Principal.require_namespace for anything namespaced. A presented token is compared
@@ -44,7 +44,7 @@ from kvstore.ids import check_namespace
 
 log = logging.getLogger("kvstore.api")
 ALL_NAMESPACES = "*"
-PUBLIC_PATHS = frozenset({"/v1/health"})
+PUBLIC_PATHS = frozenset({"/v1/health"})  # plus the dashboard shell: public_paths()
 MIN_SECRET_CHARS = 16
 
 
@@ -133,18 +133,27 @@ def _read_tokens_file(path: Path) -> list[tuple[bytes, Principal]]:
     return out
 
 
+def public_paths() -> frozenset[str]:
+    """Health, and the dashboard's static shell (HTML, JS, CSS: no store data; a
+    browser cannot send a bearer token with a page load, so the shell asks for it and
+    sends it with every data request, which stays behind the token)."""
+    from api.routes.dashboard import SHELL_PATHS  # here: api.routes imports this module
+    return PUBLIC_PATHS | SHELL_PATHS
+
+
 class AuthMiddleware:
     """Pure ASGI: authenticates before routing and stores the Principal in the scope."""
 
-    def __init__(self, app, tokens: TokenTable):
+    def __init__(self, app, tokens: TokenTable, public: frozenset[str] | None = None):
         self.app = app
         self.tokens = tokens
+        self.public = public_paths() if public is None else public
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         principal = ANONYMOUS
-        if self.tokens.enabled and scope["path"] not in PUBLIC_PATHS:
+        if self.tokens.enabled and scope["path"] not in self.public:
             principal = self.tokens.lookup(_bearer(scope))
             if principal is None:
                 response = error_response(401, "unauthorized", "a valid bearer token is required",

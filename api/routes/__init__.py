@@ -4,7 +4,17 @@ api/errors.py map what it raises. Handlers that call the store are plain `def`, 
 FastAPI runs them in its threadpool and a long LMDB call never blocks the event loop;
 the async ones hand their blocking work to run_in_threadpool explicitly."""
 
-from api.routes import admin, blocks, checkpoints, formats, health, pages, prefix, stats
+from api.routes import (
+    admin,
+    blocks,
+    checkpoints,
+    dashboard,
+    formats,
+    health,
+    pages,
+    prefix,
+    stats,
+)
 
 ROUTERS = [health.router, formats.router, pages.router, blocks.router, prefix.router,
-           checkpoints.router, stats.router, admin.router]
+           checkpoints.router, stats.router, admin.router, dashboard.router]

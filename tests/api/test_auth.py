@@ -10,6 +10,7 @@ from fastapi.routing import iter_route_contexts
 
 from api import auth
 from api.auth import TokenTable
+from api.routes.dashboard import SHELL_PATHS
 from api.server import UnsafeBind, check_bind
 from api.settings import Settings
 from kvstore import errors
@@ -18,7 +19,7 @@ from kvstore.records import Checkpoint
 from tests.api.conftest import ADMIN, USER_A, USER_B, client_for, remote_for
 from tests.kvstore.factories import make_identity, save_prefix
 
-PUBLIC = {("GET", "/v1/health")}
+PUBLIC = {("GET", "/v1/health")} | {("GET", p) for p in SHELL_PATHS}
 ADMIN_ROUTES = {("DELETE", "/v1/checkpoints/{namespace}/{name}"), ("POST", "/v1/admin/gc"),
                 ("POST", "/v1/admin/evict"), ("POST", "/v1/admin/check")}
 PARAMS = {"format_id": "ab" * 32, "digest": "cd" * 32, "namespace": "team-a", "name": "n1"}
@@ -47,6 +48,9 @@ def test_every_route_but_health_needs_a_token(secured_app):
             r = client.request(method, concrete(path), json={})
             if (method, path) in PUBLIC:
                 assert r.status_code == 200, (method, path)
+                # the shell is static text; store data come only from token-guarded JSON routes
+                assert r.headers["content-type"].startswith(("text/", "application/json"))
+                assert path == "/v1/health" or r.headers["content-type"].startswith("text/")
             else:
                 assert r.status_code == 401, (token, method, path, r.status_code)
                 assert r.json()["code"] == "unauthorized"
