@@ -35,7 +35,8 @@ tokens. docs/api.md describes the framing, errors and settings."""
 
 def open_store(settings: Settings) -> Store:
     config = StoreConfig(map_nbytes=settings.map_nbytes, max_map_nbytes=settings.max_map_nbytes,
-                         budget_nbytes=settings.budget_nbytes or None)
+                         budget_nbytes=settings.budget_nbytes or None,
+                         reserve_nbytes=settings.reserve_nbytes)
     return Store(settings.data_dir, config)
 
 

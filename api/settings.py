@@ -18,6 +18,7 @@
     budget_nbytes = 0                   # KVSTORE_BUDGET_NBYTES: 0 = no eviction budget
     map_nbytes = 1073741824             # KVSTORE_MAP_NBYTES: initial LMDB map
     max_map_nbytes = 1099511627776      # KVSTORE_MAX_MAP_NBYTES
+    reserve_nbytes = 67108864           # KVSTORE_RESERVE_NBYTES: disk kept for deletes and GC
 
 Secrets never appear in repr() or logs (SecretStr).
 """
@@ -56,6 +57,7 @@ class Settings(BaseModel):
     budget_nbytes: int = Field(0, ge=0)
     map_nbytes: int = Field(1 << 30, ge=1 << 20)
     max_map_nbytes: int = Field(1 << 40, ge=1 << 20)
+    reserve_nbytes: int = Field(64 << 20, ge=0)
     log_level: str = "info"
 
     @field_validator("namespace")

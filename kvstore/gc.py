@@ -112,7 +112,7 @@ class GCPlan:
                     n = _delete_page(txn, dbs, c.digest)
                     pages, freed = pages + (1 if n else 0), freed + n
                 return pages, freed, skipped
-            pages, freed, skipped = lmdb.write(sweep, what="GC delete", buffers=True)
+            pages, freed, skipped = lmdb.write(sweep, what="GC delete", buffers=True, freeing=True)
             faults.crash_point("gc_deleted")
             deleted["pages"] += pages
             deleted["freed_nbytes"] += freed
@@ -131,7 +131,7 @@ class GCPlan:
             _append_history(txn, dbs, {**deleted, "quarantined": q, "stale_times": s,
                                        "at_ns": time.time_ns(), "grace_s": self.grace_s})
             return q, s
-        deleted["quarantined"], deleted["stale_times"] = lmdb.write(orphans, what="GC orphans")
+        deleted["quarantined"], deleted["stale_times"] = lmdb.write(orphans, what="GC orphans", freeing=True)
         return deleted
 
 

@@ -16,13 +16,24 @@ its own lock file and lets readers run beside them. Within a process, set_mapsiz
 invalidates open transactions, so transactions hold a shared lock and a resize takes
 it exclusively. An environment belongs to the process that opened it: after fork()
 the child opens its own (the parent's handle is parked, never used or closed there).
-Stale reader slots left by killed processes are cleared at open and when slots run out.
+Stale reader slots left by killed processes are cleared at open, when slots run out,
+and by writers every READER_CHECK_S seconds.
+
+Headroom. LMDB is copy-on-write: deleting a checkpoint or collecting garbage needs new
+pages too, so on a full disk nothing could be freed. The store therefore keeps
+reserve_nbytes of the filesystem free for writes that free space (freeing=True:
+checkpoint deletes, eviction, GC, quarantine): any other write is refused with
+StoreFull, before it starts, when it would leave less than that, counting the pages
+already free inside data.mdb (LMDB reuses them before it grows the file). A commit that
+fails while the filesystem is below the reserve is StoreFull as well: LMDB reports a
+short write on a full disk as EIO, not ENOSPC.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -53,6 +64,8 @@ DATABASES = {
 
 DEFAULT_MAP_NBYTES = 1 << 30
 DEFAULT_MAX_MAP_NBYTES = 1 << 40
+DEFAULT_RESERVE_NBYTES = 64 << 20
+READER_CHECK_S = 10.0  # a writer clears stale reader slots at most this often
 MAX_READERS = 1024
 
 _parked_envs: list = []  # handles inherited across fork(): never used, never closed
@@ -98,8 +111,11 @@ class LmdbEnv:
     """Owns one lmdb.Environment for this process; see the module docstring."""
 
     def __init__(self, path: Path, map_nbytes: int = DEFAULT_MAP_NBYTES,
-                 max_map_nbytes: int = DEFAULT_MAX_MAP_NBYTES, readonly: bool = False):
+                 max_map_nbytes: int = DEFAULT_MAX_MAP_NBYTES, readonly: bool = False,
+                 reserve_nbytes: int = DEFAULT_RESERVE_NBYTES):
         self.path = Path(path)
+        self.reserve_nbytes = reserve_nbytes
+        self._reader_checked = time.monotonic()
         self.initial_map_nbytes = map_nbytes
         self.max_map_nbytes = max(max_map_nbytes, map_nbytes)
         self.readonly = readonly
@@ -205,13 +221,22 @@ class LmdbEnv:
         raise StoreIOError("could not start a read transaction after adopting a grown map")
 
     def write(self, fn: Callable[[object, dict], T], *, what: str = "write",
-              buffers: bool = False) -> T:
+              buffers: bool = False, freeing: bool = False, need_nbytes: int = 0) -> T:
         """Run fn(txn, dbs) in one durable write transaction (see the module docstring).
         With buffers=True, txn.get returns zero-copy views instead of copies: a view is
         valid only until the next put or delete in the transaction, so fn must finish
         with each value before it modifies anything. Page values are up to 256 MiB, so
-        paths that only test presence or read a page's header use it."""
+        paths that only test presence or read a page's header use it. freeing=True marks
+        a write that frees space (it may use the headroom); need_nbytes is what the
+        write is expected to add."""
         env = self.env
+        if time.monotonic() - self._reader_checked > READER_CHECK_S:
+            # a process killed inside a read transaction leaves its slot behind, and the
+            # snapshot it pins stops LMDB reusing pages: the file would grow without end
+            self._reader_checked = time.monotonic()
+            env.reader_check()
+        if not freeing:
+            self._check_headroom(what, need_nbytes)
         while True:
             with self._lock.shared():
                 try:
@@ -238,8 +263,10 @@ class LmdbEnv:
                     env.reader_check()
                     continue
                 except lmdb.Error as exc:
-                    if "No space" in str(exc):
-                        raise StoreFull(f"{what} failed: disk full ({exc}); nothing was committed") from None
+                    low = max(self.reserve_nbytes, need_nbytes, 1 << 20)
+                    if "No space" in str(exc) or self._fs_available() < low:
+                        raise StoreFull(f"{what} failed: disk full ({exc}); nothing was committed. "
+                                        "Run `kvstore gc` / `kvstore evict`, or free space") from None
                     if isinstance(exc, (lmdb.PanicError, lmdb.CorruptedError, lmdb.InvalidError)):
                         raise
                     raise StoreIOError(f"{what} failed and was not committed: {exc}") from None
@@ -247,6 +274,40 @@ class LmdbEnv:
                 self._grow_map(what)
             else:
                 self._adopt_grown_map()
+
+    # -- headroom (see the module docstring) ----------------------------------------------
+    def _fs_available(self) -> int:
+        st = os.statvfs(self.path)
+        return st.f_bavail * st.f_frsize
+
+    def free_in_file_nbytes(self) -> int:
+        """Bytes of data.mdb not used by any database: pages LMDB reuses before it grows
+        the file. An estimate (it counts pages an old reader may still pin as free)."""
+        env = self.env
+        psize = env.stat()["psize"]
+        used = 2 + sum(env.stat()[k] for k in ("branch_pages", "leaf_pages", "overflow_pages"))
+        with self.read() as txn:
+            for db in self._dbs.values():
+                st = txn.stat(db)
+                used += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        try:
+            file_nbytes = os.stat(self.path / "data.mdb").st_size
+        except FileNotFoundError:
+            return 0
+        return max(0, file_nbytes - used * psize)
+
+    def _check_headroom(self, what: str, need_nbytes: int) -> None:
+        if self.reserve_nbytes <= 0:
+            return
+        available = self._fs_available()
+        if available - need_nbytes >= self.reserve_nbytes:
+            return  # the fast path: one statvfs
+        if available + self.free_in_file_nbytes() - need_nbytes >= self.reserve_nbytes:
+            return
+        raise StoreFull(
+            f"{what} refused: the filesystem under {self.path} has {available} bytes free and the "
+            f"store keeps {self.reserve_nbytes} for deletes and GC; nothing was written. Run "
+            "`kvstore gc` / `kvstore evict` or delete checkpoints, or free space")
 
     def _adopt_grown_map(self):
         with self._lock.exclusive():

@@ -45,7 +45,12 @@ from kvstore.errors import (
 )
 from kvstore.format import FormatIdentity
 from kvstore.ids import ROOT_KEY, ChainKey, PageDigest, chain_key, check_namespace
-from kvstore.lmdbenv import DEFAULT_MAP_NBYTES, DEFAULT_MAX_MAP_NBYTES, LmdbEnv
+from kvstore.lmdbenv import (
+    DEFAULT_MAP_NBYTES,
+    DEFAULT_MAX_MAP_NBYTES,
+    DEFAULT_RESERVE_NBYTES,
+    LmdbEnv,
+)
 from kvstore.pages import (
     HEADER_NBYTES,
     Compression,
@@ -82,6 +87,7 @@ class StoreConfig:
     map_nbytes: int = DEFAULT_MAP_NBYTES
     max_map_nbytes: int = DEFAULT_MAX_MAP_NBYTES
     budget_nbytes: int | None = None  # evict LRU unpinned blocks past this many stored bytes
+    reserve_nbytes: int = DEFAULT_RESERVE_NBYTES  # disk kept free for deletes and GC
     compression: Compression = field(default_factory=Compression)
 
 
@@ -188,7 +194,7 @@ class Store:
         self.path = Path(path)
         self.config = config or StoreConfig()
         self._lmdb = LmdbEnv(self.path, self.config.map_nbytes, self.config.max_map_nbytes,
-                             readonly=readonly)
+                             readonly=readonly, reserve_nbytes=self.config.reserve_nbytes)
         self._formats: dict[bytes, FormatIdentity] = {}
         self._touch_lock = threading.Lock()
         self._pending_touches: dict[bytes, int] = {}
@@ -217,7 +223,7 @@ class Store:
         def init(txn, dbs):
             if txn.get(b"schema_version", db=dbs["meta"]) is None:
                 txn.put(b"schema_version", U64.pack(STORE_SCHEMA_VERSION), db=dbs["meta"])
-        self._lmdb.write(init, what="initialising the store")
+        self._lmdb.write(init, what="initialising the store", freeing=True)  # opens a full store
 
     def _check_schema(self):
         with self._lmdb.read() as txn:
@@ -304,8 +310,9 @@ class Store:
         new = existing = stored_total = 0
         for batch in _batches(checked, PUT_BATCH_NBYTES):
             encoded = [(d, *encode_page(data, self.config.compression, d)) for d, data in batch]
+            need = sum(HEADER_NBYTES + len(stored) for _, _, stored in encoded)
             n, e, s = self._lmdb.write(lambda txn, dbs: _write_pages(txn, dbs, encoded),
-                                       what="storing pages", buffers=True)
+                                       what="storing pages", buffers=True, need_nbytes=need)
             faults.crash_point("pages_synced")
             new, existing, stored_total = new + n, existing + e, stored_total + s
         return PutResult(new, existing, stored_total)
@@ -382,7 +389,7 @@ class Store:
                 _counter(txn, dbs, "referenced_raw_nbytes", -refs * page_sizes(txn, dbs, d, value)[0])
                 _delete_page(txn, dbs, d)
         if not self._lmdb.readonly:
-            self._lmdb.write(move, what="quarantining damaged pages")
+            self._lmdb.write(move, what="quarantining damaged pages", freeing=True)
 
     # -- blocks ------------------------------------------------------------------------
     def commit_blocks(self, blocks: Sequence[BlockRecord]) -> CommitResult:
@@ -560,7 +567,7 @@ class Store:
                 raise NotFound(f"checkpoint {namespace}/{name} does not exist")
             _unpin_checkpoint(txn, dbs, Checkpoint.decode(raw))
             txn.delete(key, db=dbs["checkpoints"])
-        self._lmdb.write(delete, what="deleting a checkpoint", buffers=True)
+        self._lmdb.write(delete, what="deleting a checkpoint", buffers=True, freeing=True)
 
     # -- capacity, stats, maintenance ----------------------------------------------------
     def evict(self, to_nbytes: int) -> EvictionReport:
@@ -572,7 +579,7 @@ class Store:
         def run(txn, dbs):
             self._apply_touches(txn, dbs)
             return _evict_to(txn, dbs, to_nbytes)
-        return self._lmdb.write(run, what="evicting blocks", buffers=True)
+        return self._lmdb.write(run, what="evicting blocks", buffers=True, freeing=True)
 
     def stats(self) -> StoreStats:
         dbs = self._lmdb.dbs
@@ -632,7 +639,8 @@ class Store:
         with self._touch_lock:
             if not self._pending_touches:
                 return
-        self._lmdb.write(self._apply_touches, what="recording block use")
+        # rewrites existing records only; allowed into the headroom so close() never fails
+        self._lmdb.write(self._apply_touches, what="recording block use", freeing=True)
 
     def _apply_touches(self, txn, dbs) -> None:
         """LRU touches from lookups are kept in memory and written with the next write:
