@@ -37,7 +37,13 @@ def open_store(settings: Settings) -> Store:
     config = StoreConfig(map_nbytes=settings.map_nbytes, max_map_nbytes=settings.max_map_nbytes,
                          budget_nbytes=settings.budget_nbytes or None,
                          reserve_nbytes=settings.reserve_nbytes)
-    return Store(settings.data_dir, config)
+    store = Store(settings.data_dir, config)
+    tier = settings.tier_config()
+    if tier is None:
+        return store
+    from kvstore.tier import TieredStore  # the S3 tier behind the local store (issue 11)
+
+    return TieredStore(store, tier)
 
 
 def create_app(store: Store | None = None, settings: Settings | None = None, *,

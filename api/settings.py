@@ -19,6 +19,16 @@
     map_nbytes = 1073741824             # KVSTORE_MAP_NBYTES: initial LMDB map
     max_map_nbytes = 1099511627776      # KVSTORE_MAX_MAP_NBYTES
     reserve_nbytes = 67108864           # KVSTORE_RESERVE_NBYTES: disk kept for deletes and GC
+    s3_bucket = "kv-pages"              # KVSTORE_S3_BUCKET: set it to put the S3 tier
+                                        # behind the store (kvstore/tier, docs/distributed.md)
+    s3_endpoint = "http://rgw:7480"     # KVSTORE_S3_ENDPOINT; unset = AWS for s3_region
+    s3_prefix = "fleet-a"               # KVSTORE_S3_PREFIX: key prefix inside the bucket
+    s3_access_key = "..."               # KVSTORE_S3_ACCESS_KEY / KVSTORE_S3_SECRET_KEY;
+    s3_secret_key = "..."               # unset = boto3's credential chain
+    s3_region = "us-east-1"             # KVSTORE_S3_REGION
+    s3_sync = false                     # KVSTORE_S3_SYNC: acknowledge saves after the bucket
+    s3_threads = 8                      # KVSTORE_S3_THREADS: requests in flight
+    s3_backlog_max_nbytes = 4294967296  # KVSTORE_S3_BACKLOG_MAX_NBYTES: upload backlog cap
 
 Secrets never appear in repr() or logs (SecretStr).
 """
@@ -59,6 +69,15 @@ class Settings(BaseModel):
     max_map_nbytes: int = Field(1 << 40, ge=1 << 20)
     reserve_nbytes: int = Field(64 << 20, ge=0)
     log_level: str = "info"
+    s3_bucket: str | None = None
+    s3_endpoint: str | None = None
+    s3_prefix: str = ""
+    s3_access_key: SecretStr | None = None
+    s3_secret_key: SecretStr | None = None
+    s3_region: str = "us-east-1"
+    s3_sync: bool = False
+    s3_threads: int = Field(8, ge=1, le=256)
+    s3_backlog_max_nbytes: int = Field(4 << 30, ge=0)
 
     @field_validator("namespace")
     @classmethod
@@ -71,6 +90,19 @@ class Settings(BaseModel):
         if value is not None and len(value.get_secret_value()) < 16:
             raise ValueError("tokens must be at least 16 characters")
         return value
+
+    def tier_config(self):
+        """The S3 tier's TierConfig, or None when no s3_bucket is set."""
+        if not self.s3_bucket:
+            return None
+        from kvstore.tier import TierConfig
+
+        secret = lambda v: v.get_secret_value() if v is not None else None  # noqa: E731
+        return TierConfig(bucket=self.s3_bucket, endpoint_url=self.s3_endpoint,
+                          prefix=self.s3_prefix, access_key=secret(self.s3_access_key),
+                          secret_key=secret(self.s3_secret_key), region=self.s3_region,
+                          sync=self.s3_sync, threads=self.s3_threads,
+                          backlog_max_nbytes=self.s3_backlog_max_nbytes)
 
     @property
     def auth_enabled(self) -> bool:
