@@ -188,6 +188,26 @@ class StatsOut(BaseModel):
     tokens_matched: int
     dedup_ratio: float
     compression_ratio: float
+    # present when an S3 tier is behind the store (kvstore/tier): the upload backlog
+    remote_bucket: str | None = None
+    backlog_jobs: int | None = None
+    backlog_nbytes: int | None = None
+    backlog_pages: int | None = None
+    backlog_blocks: int | None = None
+    backlog_checkpoints: int | None = None
+    backlog_oldest_age_s: float | None = None
+    backlog_failing: int | None = None
+    backlog_max_nbytes: int | None = None
+    remote_uploaded: int | None = None
+    remote_uploaded_nbytes: int | None = None
+    remote_skipped_existing: int | None = None
+    remote_dropped: int | None = None
+    remote_upload_failures: int | None = None
+    remote_refused_nbytes: int | None = None
+    remote_fetched_pages: int | None = None
+    remote_fetched_nbytes: int | None = None
+    remote_fetched_blocks: int | None = None
+    remote_integrity_errors: int | None = None
 
 
 class Health(BaseModel):
