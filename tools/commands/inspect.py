@@ -372,6 +372,11 @@ def stats(
             from kvstore.gc import gc_history
 
             history = gc_history(store)
+            from kvstore.tier.queue import read_backlog  # the S3 tier's upload queue, if any
+
+            backlog = read_backlog(store.path)
+            if backlog is not None and s.get("backlog_jobs") is None:
+                s.update(backlog.to_dict())
     budget = s.get("budget_nbytes")
     s["budget_used"] = s["stored_nbytes"] / budget if budget else None
     s["hit_rate"] = s["lookup_hits"] / s["lookups"] if s["lookups"] else None
@@ -404,6 +409,13 @@ def stats(
     stdout.print(f"lookups     {s['lookups']:,} ({s['lookup_hits']:,} hits, {hit}); tokens "
                  f"{s['tokens_matched']:,} of {s['tokens_looked_up']:,} matched")
     stdout.print(f"evicted     {s['evicted_blocks']:,} blocks, {human_bytes(s['evicted_nbytes'])} so far")
+    if s.get("backlog_jobs") is not None:
+        failing = f", {s['backlog_failing']} failing ({s.get('backlog_last_error') or 'retrying'})" \
+            if s.get("backlog_failing") else ""
+        stdout.print(f"s3 backlog  {s['backlog_jobs']:,} uploads queued ({s['backlog_pages']:,} pages, "
+                     f"{s['backlog_blocks']:,} blocks, {s['backlog_checkpoints']:,} checkpoints), "
+                     f"{human_bytes(s['backlog_nbytes'])}, oldest "
+                     f"{human_age(s['backlog_oldest_age_s'])}{escape(failing)}")
     if history is not None:
         stdout.print(f"gc runs     {len(history)}" + (":" if history else ""))
         for h in history[-5:]:

@@ -36,6 +36,7 @@ from tools.commands.common import (
 )
 
 _SUBSET = re.compile(r"^(\d+)/(\d+)$")
+TierConfigOption = typer.Option(None, "--config", help="TOML settings file with s3_* keys")
 
 
 def check(
@@ -103,8 +104,13 @@ def gc(
                               help="spare unreferenced pages younger than this (30s, 10m, 1h, 0)"),
     data_dir: Optional[Path] = DataDirOption, url: Optional[str] = UrlOption,
     token: Optional[str] = TokenOption, as_json: bool = JsonOption,
+    remote: bool = typer.Option(False, "--remote",
+                                help="collect the S3 tier's bucket instead (KVSTORE_S3_* or --config)"),
+    config: Optional[Path] = TierConfigOption,
 ) -> None:
     """Collect garbage: unreferenced pages older than the grace period, and orphans.
+
+    With --remote it collects the S3 bucket shared by the fleet instead: mark-and-sweep from checkpoint manifests and block records younger than the grace period (docs/distributed.md); keep --grace at least twice the writers' refresh age (30 minutes by default).
 
     Prints the plan (pages and bytes to free) first, then executes it. Safe while writers run: a page uploaded but not yet committed is younger than the grace period, and every candidate is re-checked inside its delete transaction. A GC that outlives its grace period, or meets another GC, stops with exit 5.
 
@@ -113,6 +119,8 @@ def gc(
         kvstore gc --dry-run --grace 10m
     """
     grace_s = parse_duration(grace)
+    if remote:
+        return _gc_remote(grace_s, dry_run, config, as_json)
     with open_store(target(data_dir, url, token), write=not dry_run) as store, store_errors():
         plan = store.plan_gc(grace_s)
         summary = plan.summary()
@@ -168,3 +176,43 @@ def evict(
     if after > to_nbytes:
         stdout.print("[yellow]still above the target: the rest is pinned by checkpoints "
                      "(delete some) or shared with them[/yellow]")
+
+
+def _gc_remote(grace_s: float, dry_run: bool, config: Optional[Path], as_json: bool) -> None:
+    """`kvstore gc --remote`: plan (and unless dry_run, sweep) the S3 tier's bucket."""
+    from api.settings import Settings
+    from kvstore.tier import Bucket
+    from kvstore.tier.gc import plan_remote_gc
+    from kvstore.tier.layout import Layout
+
+    try:
+        tier = Settings.load(config).tier_config()
+    except (ValueError, OSError) as exc:
+        fail(f"bad settings: {exc}", EXIT_USAGE)
+    if tier is None:
+        fail("no bucket: set KVSTORE_S3_BUCKET (and KVSTORE_S3_ENDPOINT, credentials) or "
+             "s3_bucket in --config", EXIT_USAGE)
+    with store_errors():
+        bucket = Bucket(tier)
+        try:
+            plan = plan_remote_gc(bucket, Layout(tier.prefix), grace_s)
+            summary = plan.summary()
+            if not as_json:
+                stdout.print(f"plan: bucket {summary['bucket']}/{summary['prefix']}: "
+                             f"{summary['checkpoints']} checkpoints, {summary['marked_blocks']:,} live "
+                             f"blocks, {summary['marked_pages']:,} live pages; unreferenced and older "
+                             f"than {human_duration(grace_s)}: {summary['unreferenced_blocks']:,} blocks, "
+                             f"{summary['unreferenced_pages']:,} pages, {summary['unreferenced_formats']} "
+                             f"formats ({human_bytes(summary['unreferenced_nbytes'])}); "
+                             f"{summary['spared_young']:,} unreferenced but young")
+            deleted = None if dry_run else plan.execute()
+        finally:
+            bucket.close()
+    if as_json:
+        emit_json({"plan": summary, "dry_run": dry_run, "deleted": deleted})
+    elif dry_run:
+        stdout.print("dry run: nothing deleted")
+    else:
+        stdout.print(f"deleted {deleted['blocks']:,} blocks, {deleted['pages']:,} pages and "
+                     f"{deleted['formats']} formats ({human_bytes(deleted['freed_nbytes'])}); "
+                     f"skipped {deleted['skipped']} that became young")
