@@ -136,6 +136,10 @@ class LmdbEnv:
             if self._env is not None:  # inherited across fork(): park it, open our own
                 _parked_envs.append(self._env)
             self.path.mkdir(parents=True, exist_ok=True)
+            for name in ("data.mdb", "lock.mdb"):  # LMDB would follow them out of the store
+                if (self.path / name).is_symlink():
+                    raise StoreIOError(f"{self.path / name} is a symlink; refusing to open the "
+                                       "store through it. Replace it with the real file")
             env = lmdb.open(
                 str(self.path), map_size=self.initial_map_nbytes, subdir=True,
                 max_dbs=len(DATABASES) + 2, max_readers=MAX_READERS, sync=True,
