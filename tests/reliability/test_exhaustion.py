@@ -17,7 +17,6 @@ import random
 import re
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
@@ -31,7 +30,6 @@ from tests.reliability.common import (
     KillableServer,
     kill,
     metric,
-    restore_exact,
     spawn,
     verify_entries,
 )
