@@ -201,7 +201,7 @@ def _stale_slots(store) -> int:
 def _churn(store, rounds: int) -> int:
     """Rewrite the same data over and over: with page reuse the file stays put."""
     before = os.stat(store.path / "data.mdb").st_size
-    for r in range(rounds):
+    for _ in range(rounds):
         save_prefix(store, IDENTITY, "ns", list(range(200)), checkpoint="churn")
         store.delete_checkpoint("ns", "churn")
         store.evict(0)
