@@ -78,14 +78,17 @@ def restore(store, fmt: FormatIdentity, tokens: list[int], buffers: list) -> int
 
 
 def measure(paths: dict, fmt, tokens, buffers, reps: int) -> list[dict]:
-    """Round-robin: every repetition times each path once, so background load on a
-    shared machine lands on all of them alike."""
+    """Round-robin: every repetition times each path once, in a rotating order, so
+    background load on a shared machine lands on all of them alike."""
     times: dict[str, list[float]] = {label: [] for label in paths}
     nbytes = 0
     for store in paths.values():
         restore(store, fmt, tokens, buffers)  # warm: page cache, connections, format cache
-    for _ in range(reps):
-        for label, store in paths.items():
+    order = list(paths.items())
+    for rep in range(reps):
+        # rotate the order: a path timed right after the HTTP one shares the CPU with
+        # the server's clean-up of that response, so no path should always follow it
+        for label, store in order[rep % len(order):] + order[: rep % len(order)]:
             t0 = time.perf_counter()
             nbytes = restore(store, fmt, tokens, buffers)
             times[label].append(time.perf_counter() - t0)
