@@ -119,7 +119,8 @@ class RemoteStore:
 
     def __init__(self, url: str, token: str | None = None, *, local_dir=None,
                  timeout_s: float = 60.0, retries: int = 3, compress_uploads: bool = False,
-                 read_streams: int = 1, client: httpx.Client | None = None):
+                 read_streams: int = 1, upload_streams: int = 2,
+                 client: httpx.Client | None = None):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._direct = None
         if client is None:
@@ -133,6 +134,7 @@ class RemoteStore:
         self._client = client
         self._retries = retries
         self._read_streams = max(1, int(read_streams))
+        self._upload_streams = max(1, int(upload_streams))
         self._executor = None
         self._replayer = None
         self._replays_pending = 0
@@ -230,22 +232,28 @@ class RemoteStore:
             if actual != digest:
                 raise DigestMismatch(digest.hex(), actual.hex())
             checked.append((digest, data))
-        new = existing = stored = 0
         sizes = [memoryview(data).nbytes for _, data in checked]
-        for start, stop in _read_batches(sizes, UPLOAD_BATCH_NBYTES):
-            batch = checked[start:stop]
-            body, headers = _upload_body(encode_stream(batch), self._compress)
-            headers["Content-Type"] = PAGE_STREAM_MEDIA_TYPE
-            headers["Content-Length"] = str(len(body))
-            # pieces rather than one bytes: httpcore re-slices (copies) what is left of
-            # a bytes after every partial send, quadratic in the body size
-            pieces = [memoryview(body)[i : i + SEND_PIECE_NBYTES]
-                      for i in range(0, len(body), SEND_PIECE_NBYTES)]
-            result = self._send("POST", "/v1/pages/put", idempotent=True, content=pieces,
-                                headers=headers).json()
-            new, existing = new + result["new"], existing + result["existing"]
-            stored += result["stored_nbytes"]
-        return PutResult(new, existing, stored)
+        batches = [checked[a:b] for a, b in _read_batches(sizes, UPLOAD_BATCH_NBYTES)]
+        if len(batches) > 1 and self._upload_streams > 1:
+            # two in flight: the server hashes and commits one batch while the next
+            # one arrives (blake3 and the LMDB sync release the GIL)
+            with ThreadPoolExecutor(self._upload_streams, thread_name_prefix="kvstore-put") as pool:
+                results = list(pool.map(self._put_batch, batches))
+        else:
+            results = [self._put_batch(batch) for batch in batches]
+        return PutResult(sum(r["new"] for r in results), sum(r["existing"] for r in results),
+                         sum(r["stored_nbytes"] for r in results))
+
+    def _put_batch(self, batch: list) -> dict:
+        body, headers = _upload_body(encode_stream(batch), self._compress)
+        headers["Content-Type"] = PAGE_STREAM_MEDIA_TYPE
+        headers["Content-Length"] = str(len(body))
+        # pieces rather than one bytes: httpcore re-slices (copies) what is left of a
+        # bytes after every partial send, quadratic in the body size
+        pieces = [memoryview(body)[i : i + SEND_PIECE_NBYTES]
+                  for i in range(0, len(body), SEND_PIECE_NBYTES)]
+        return self._send("POST", "/v1/pages/put", idempotent=True, content=pieces,
+                          headers=headers).json()
 
     def put_page(self, digest, data) -> bool:
         """One page as a raw PUT (what curl would send); True when it was new."""
