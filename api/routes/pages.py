@@ -92,18 +92,28 @@ async def get_pages(request: Request, body: DigestList, store: StoreDep,
     """Read pages as one binary stream. Every page is verified before the first byte
     is sent, so any failure (404, integrity 500) is a JSON error, never a cut stream."""
     digests = _parse(body.digests, settings)
-    sizes = await run_in_threadpool(store.page_nbytes, digests)
-    if sum(sizes) > settings.max_batch_nbytes:
-        raise PayloadTooLarge(f"{sum(sizes)} bytes of pages in one read; the limit is "
-                              f"{settings.max_batch_nbytes}. Split the request")
+
+    opened = {}
+
+    def open_batch():  # one threadpool hop: sizes, the limit, then verify everything
+        sizes = store.page_nbytes(digests)
+        if sum(sizes) > settings.max_batch_nbytes:
+            raise PayloadTooLarge(f"{sum(sizes)} bytes of pages in one read; the limit is "
+                                  f"{settings.max_batch_nbytes}. Split the request")
+        context = store.get_pages(digests)
+        views = context.__enter__()
+        opened["context"] = context  # from here on, someone must exit it
+        return sizes, context, views
+
     # A slot bounds the zstd pages decoded in memory (up to max_batch_nbytes per read);
     # the response releases it with the read transaction.
     slots = request.app.state.read_slots
     await slots.acquire()
     try:
-        context = store.get_pages(digests)
-        views = await run_in_threadpool(context.__enter__)
-    except BaseException:
+        sizes, context, views = await run_in_threadpool(open_batch)
+    except BaseException:  # also a cancellation that lands after the thread finished
+        if "context" in opened:
+            opened["context"].__exit__(None, None, None)
         slots.release()
         raise
     return PageStreamResponse(digests, views, context, stream_nbytes(sizes), slots.release)
