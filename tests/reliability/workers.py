@@ -74,7 +74,13 @@ def remote_writer(url: str, log_path: str, seed: str) -> None:
     store = RemoteStore(url, timeout_s=10.0, retries=1)
     with open(log_path, "a") as log:
         for i in range(10**9):
-            ns, tokens = random_prompt(rng, history)
+            longer = [h for h in history if len(h[1]) >= 4]
+            if longer and rng.random() < 0.3:  # re-use at least one stored block
+                ns, base = rng.choice(longer)
+                tokens = base[: rng.randrange(4, len(base) + 1)] + \
+                    [rng.randrange(50_000) for _ in range(rng.randrange(1, 10))]
+            else:
+                ns, tokens = random_prompt(rng, [])
             first = (ns, tuple(tokens[:4]))
             reused = len(tokens) >= 4 and first in first_blocks  # its first block is stored
             name = f"w{seed}-{i}" if rng.random() < 0.3 else None
