@@ -444,6 +444,9 @@ class Store:
                             f"block {b.key.short} layer {layer_index}: page {d.short} holds {got} "
                             f"bytes, the format needs {want} for {len(b.tokens)} tokens")
                 if missing_pages:
+                    # nothing will be committed; keep validating the children so the
+                    # error names every absent page, not the parent of the next block
+                    batch_keys[b.key] = b
                     continue
                 record = b.with_times(stamp, stamp)
                 _insert_block(txn, dbs, record)
