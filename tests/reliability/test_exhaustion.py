@@ -187,10 +187,14 @@ def test_map_growth_two_processes(tmp_path):
     assert map_nbytes >= 16 * (64 << 10) and len(entries) > 50
 
 
+def _reader_pids(store) -> set[int]:
+    return {int(m.group(1)) for m in re.finditer(r"^\s*(\d+)\s+[0-9a-fx]+\s+\S+",
+                                                 store.lmdb.env.readers(), re.M)}
+
+
 def _stale_slots(store) -> int:
-    pids = [int(m.group(1)) for m in re.finditer(r"^\s*(\d+)\s+[0-9a-fx]+\s+\S+", store.lmdb.env.readers(), re.M)]
     dead = 0
-    for pid in pids:
+    for pid in _reader_pids(store):
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
@@ -215,14 +219,11 @@ def test_stale_readers_are_reclaimed(tmp_path, monkeypatch):
         save_prefix(store, IDENTITY, "ns", list(range(200)))
         _churn(store, 3)
         holders = [spawn("hold-reader", str(store_dir)) for _ in range(5)]
-        procs = []
-        for h in holders:  # spawn() sends output to /dev/null: wait for the slots instead
-            procs.append(h)
-        deadline = time.monotonic() + 30
-        while len(re.findall(r"^\s*\d+\s", store.lmdb.env.readers(), re.M)) < 5:
+        deadline = time.monotonic() + 60  # each holder's slot shows up in the reader table
+        while not {h.pid for h in holders} <= _reader_pids(store):
             assert time.monotonic() < deadline, store.lmdb.env.readers()
             time.sleep(0.05)
-        for h in procs:
+        for h in holders:
             kill(h)
         stale = _stale_slots(store)
         monkeypatch.setattr(lmdbenv, "READER_CHECK_S", 3600.0)  # no periodic check: pinned
@@ -233,10 +234,15 @@ def test_stale_readers_are_reclaimed(tmp_path, monkeypatch):
         grown_reclaimed = _churn(store, 20)
         assert store.check().ok
     # and a process opening the store clears them too
-    holders = [spawn("hold-reader", str(store_dir)) for _ in range(3)]
-    time.sleep(2.0)
-    for h in holders:
-        kill(h)
+    with make_store(store_dir) as store:
+        holders = [spawn("hold-reader", str(store_dir)) for _ in range(3)]
+        deadline = time.monotonic() + 60
+        while not {h.pid for h in holders} <= _reader_pids(store):
+            assert time.monotonic() < deadline, store.lmdb.env.readers()
+            time.sleep(0.05)
+        for h in holders:
+            kill(h)
+        stale_before_open = _stale_slots(store)
     with make_store(store_dir) as store:
         stale_after_open = _stale_slots(store)
     metric("stale_readers", killed_in_read_txn=5, stale_slots=stale,
@@ -244,5 +250,6 @@ def test_stale_readers_are_reclaimed(tmp_path, monkeypatch):
            stale_after_writer_check=stale_after_writer,
            file_growth_kib_after_reclaim=grown_reclaimed >> 10,
            stale_after_reopen=stale_after_open)
-    assert stale == 5 and stale_after_writer == 0 and stale_after_open == 0
+    assert stale == 5 and stale_after_writer == 0
+    assert stale_before_open == 3 and stale_after_open == 0
     assert grown_reclaimed == 0, "pages were not reused after the slots were reclaimed"
