@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 
-from kvstore.errors import IntegrityError, NotFound, UnsupportedVersion
+from kvstore.errors import IntegrityError, InvalidInput, NotFound, UnsupportedVersion
 from kvstore.tier import RemoteIntegrityError, TierConfig, TieredStore
 from kvstore.tier import layout as L
 from kvstore.tier.bucket import Bucket
@@ -398,3 +398,89 @@ def test_remote_gc_while_uploading_refreshes_old_dependencies(hosts, tier):
         bucket.close()
     assert_records_complete(tier())
     assert restore_prefix(hosts("c"), ident, "team", base)[0] == 8
+
+
+# -- the layout's golden vectors (no cluster needed) -------------------------------------------
+def test_envelope_golden_vectors():
+    """docs/format.md section 9 gives these bytes; another implementation must match."""
+    import blake3
+
+    from kvstore.ids import ROOT_KEY, PageDigest
+    from kvstore.records import BlockRecord
+
+    empty = PageDigest(blake3.blake3(b"").digest())
+    record = BlockRecord(bytes(range(32)), "default", ROOT_KEY, (1, 2, 3, 4), (empty,), 1000, 2000)
+    layout = L.Layout("fleet")
+    assert layout.block_key(record.key) == \
+        "fleet/blocks/a61d3aa6717d63271703d9987a4833f7edd6fdb12e3659f769c06d4983937f31"
+    head, payload = L.envelope("blocks", L.block_payload(record))
+    assert head.hex() == "4d4c584b5653330000014200000000005857c47e78c71a6ef51abe9ad86c1391"
+    assert len(payload) == 149 and L.decode_block("k", record.key, head + payload) == record.with_times(0, 0)
+    page_head, _ = L.envelope("pages", b"")
+    assert page_head.hex() == "4d4c584b56533300000150000000000000000000000000000000000000000000"
+    assert bytes(L.decode_page("k", empty, page_head)) == b""
+    with pytest.raises(RemoteIntegrityError):
+        L.decode_block("k", record.key, head + payload[:-1] + bytes([payload[-1] ^ 1]))
+    with pytest.raises(RemoteIntegrityError):
+        L.decode_page("k", empty, page_head + b"x")
+    with pytest.raises(UnsupportedVersion):
+        L.decode_page("k", empty, page_head[:8] + b"\x00\x02" + page_head[10:])
+    for bad in ("a//b", "../a", "a/./b"):
+        with pytest.raises(InvalidInput):
+            L.Layout(bad)
+    assert L.Layout("/fleet/").prefix == "fleet"
+
+
+# -- the same through the HTTP service on both hosts, and the CLI ------------------------------
+def test_two_services_share_prefixes_through_the_bucket(ceph, tier, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+
+    from kvstore.client import RemoteStore
+    from tests.api.conftest import REPO, LiveServer
+
+    config = tier()
+    env = {"KVSTORE_S3_BUCKET": config.bucket, "KVSTORE_S3_ENDPOINT": ceph.endpoint,
+           "KVSTORE_S3_PREFIX": config.prefix, "KVSTORE_S3_ACCESS_KEY": ceph.access_key,
+           "KVSTORE_S3_SECRET_KEY": ceph.secret_key}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    server_a, server_b = LiveServer(tmp_path / "a" / "store", env), LiveServer(tmp_path / "b" / "store", env)
+    try:
+        ident = make_identity()
+        tokens = tokens_for(12, 30)
+        with RemoteStore(server_a.url) as a:
+            saved = save_prefix(a, ident, "team", tokens, checkpoint="over-http")
+            deadline = time.monotonic() + 30
+            while httpx.get(server_a.url + "/v1/stats").json()["backlog_jobs"]:
+                assert time.monotonic() < deadline, "A's backlog did not drain"
+                time.sleep(0.1)
+        metrics = httpx.get(server_a.url + "/metrics").text
+        assert "kvstore_store_backlog_jobs 0" in metrics and "kvstore_store_remote_uploaded " in metrics
+        with RemoteStore(server_b.url) as b:
+            matched, records = restore_prefix(b, ident, "team", tokens)
+            assert matched == 30 and [r.key for r in records] == list(saved.chain_keys)
+            assert b.get_checkpoint("team", "over-http").tokens == tuple(tokens)
+        assert httpx.get(server_b.url + "/v1/stats").json()["remote_fetched_pages"] > 0
+    finally:
+        server_a.stop()
+        server_b.stop()
+
+    cli_env = {**os.environ, **env, "PYTHONPATH": str(REPO)}
+    stats = subprocess.run([sys.executable, "-m", "tools.cli", "stats", "--data-dir",
+                            str(tmp_path / "a" / "store")], cwd=REPO, env=cli_env,
+                           capture_output=True, text=True, timeout=60)
+    assert stats.returncode == 0 and "s3 backlog  0 uploads queued" in stats.stdout, stats.stdout + stats.stderr
+    gc = subprocess.run([sys.executable, "-m", "tools.cli", "gc", "--remote", "--dry-run",
+                         "--grace", "0", "--json"], cwd=REPO, env=cli_env, capture_output=True,
+                        text=True, timeout=60)
+    assert gc.returncode == 0, gc.stderr
+    import json
+
+    doc = json.loads(gc.stdout)
+    assert doc["dry_run"] and doc["deleted"] is None and doc["plan"]["checkpoints"] == 1
+    assert doc["plan"]["unreferenced_pages"] == 0  # everything is pinned by the checkpoint
+    assert len(bucket_keys(config, "pages")) == len({d for r in saved.records for d in r.pages})
