@@ -208,6 +208,7 @@ class StatsOut(BaseModel):
     remote_fetched_nbytes: int | None = None
     remote_fetched_blocks: int | None = None
     remote_integrity_errors: int | None = None
+    remote_lookups_unavailable: int | None = None
 
 
 class Health(BaseModel):
