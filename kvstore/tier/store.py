@@ -24,7 +24,10 @@ Reads go to the local store. On a local miss:
   list_checkpoints, list_formats
                   add what the bucket has (manifests and identities only).
 A page or record that fails its check raises RemoteIntegrityError and is neither
-served nor cached. A block whose page is missing from the bucket (a remote GC racing
+served nor cached. A lookup that cannot reach the bucket answers with the local match
+(a miss costs a recompute, never an error) and lookups skip the bucket for
+BUCKET_DOWN_S; an explicit read of an object that is not local (get_checkpoint,
+get_blocks, get_pages, ...) raises RemoteUnavailable instead. A block whose page is missing from the bucket (a remote GC racing
 a writer, a partial upload by another tool) ends the remote prefix there: a miss.
 
 Local only, by design: missing() and has_blocks() (a publisher writes through the
@@ -56,6 +59,7 @@ from kvstore.tier.uploader import Uploader
 log = logging.getLogger(__name__)
 INSERT_BATCH_NBYTES = 64 << 20  # pages fetched are inserted locally in batches this big
 SYNC_TIMEOUT_S = 120.0
+BUCKET_DOWN_S = 10.0  # after a failed lookup, lookups answer locally for this long
 HOLD_S = 60.0  # a queued intent waits this long for its local commit (crash recovery)
 
 
@@ -82,6 +86,7 @@ class TieredStats(StoreStats):
     remote_fetched_nbytes: int = 0
     remote_fetched_blocks: int = 0
     remote_integrity_errors: int = 0
+    remote_lookups_unavailable: int = 0
 
 
 class TieredStore:
@@ -98,7 +103,8 @@ class TieredStore:
         self.uploader = Uploader(local, self.bucket, self.layout, self.queue, config.refresh_after_s)
         self._lock = threading.Lock()
         self._counters = {"refused_nbytes": 0, "fetched_pages": 0, "fetched_nbytes": 0,
-                          "fetched_blocks": 0, "integrity_errors": 0}
+                          "fetched_blocks": 0, "integrity_errors": 0, "unavailable": 0}
+        self._bucket_down_until = 0.0
         self._manifests: dict[str, tuple[str, Checkpoint]] = {}  # object key -> (etag, manifest)
         if start_uploader:
             self.uploader.start()
@@ -231,7 +237,8 @@ class TieredStore:
             remote_upload_failures=up["failures"], remote_refused_nbytes=c["refused_nbytes"],
             remote_fetched_pages=c["fetched_pages"], remote_fetched_nbytes=c["fetched_nbytes"],
             remote_fetched_blocks=c["fetched_blocks"],
-            remote_integrity_errors=c["integrity_errors"])
+            remote_integrity_errors=c["integrity_errors"],
+            remote_lookups_unavailable=c["unavailable"])
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -277,6 +284,20 @@ class TieredStore:
     def lookup_prefix(self, format_id, namespace: str, tokens: Sequence[int], *,
                       max_tokens: int | None = None) -> PrefixMatch:
         local = self.local.lookup_prefix(format_id, namespace, tokens, max_tokens=max_tokens)
+        if time.monotonic() < self._bucket_down_until:
+            return local  # the bucket failed moments ago: a miss, not a stall
+        try:
+            return self._lookup_remote(local, format_id, namespace, tokens, max_tokens)
+        except RemoteUnavailable as exc:
+            # an inference host must not fail because the bucket is down: answer with
+            # the local match (a miss costs a recompute) and skip the bucket for a while
+            self._count("unavailable")
+            self._bucket_down_until = time.monotonic() + BUCKET_DOWN_S
+            log.warning("bucket unavailable during a lookup; local answers only for %.0fs: %s",
+                        BUCKET_DOWN_S, exc)
+            return local
+
+    def _lookup_remote(self, local: PrefixMatch, format_id, namespace: str, tokens, max_tokens):
         fid = _format_id_bytes(format_id)
         check_namespace(namespace)
         tokens = list(tokens)[: max_tokens if max_tokens is not None else None]
