@@ -32,11 +32,11 @@ from mlx_lm.models.cache import create_attention_mask
 from engine.errors import FormatMismatch, SnapshotReleased, UnsupportedBatch
 from engine.formats import (
     PageSpec,
-    blocks_from_pages,
     decode_tokens,
     encode_tokens,
     gather_history,
     pages_from_blocks,
+    planes_from_page,
     resolve_format,
 )
 from engine.pool import BlockPool
@@ -237,11 +237,25 @@ class PagedKVCache:
     @classmethod
     def from_pages(cls, pool: BlockPool, pages: list, **kwargs) -> "PagedKVCache":
         """A cache holding kvstore pages (bytes, in block order) as they are: no
-        re-encoding. Blocks are allocated all at once (PoolExhausted changes nothing)."""
-        planes, tokens = blocks_from_pages(pool.spec, pages)  # name -> [n, H, bs, W]
+        re-encoding. Every page but the last must hold a full block. Blocks are
+        allocated all at once (PoolExhausted changes nothing).
+
+        Cost: one copy of each page into MLX, one slice write of each plane into the
+        pool (no gather, no padding, no scatter over the arena)."""
+        spec = pool.spec
+        size = spec.block_size_tokens
+        lengths = [len(memoryview(p).cast("B")) for p in pages]
+        full, per_token = spec.page_nbytes(size), spec.page_nbytes(1)
+        if not pages or any(n != full for n in lengths[:-1]):
+            raise FormatMismatch(f"every page but the last must hold a full block ({full} bytes)")
+        if lengths[-1] == 0 or lengths[-1] % per_token or lengths[-1] > full:
+            raise FormatMismatch(f"the last page must hold 1..{size} tokens of {per_token} bytes")
+        tokens = (len(pages) - 1) * size + lengths[-1] // per_token
         cache = cls(pool, **kwargs)
         cache._make_writable(0, tokens)
-        pool.write_blocks(cache._blocks, planes)
+        for index, (block, page) in enumerate(zip(cache._blocks, pages, strict=True)):
+            count = min(size, tokens - index * size)
+            pool.write(block, 0, planes_from_page(spec, page, count))
         cache.offset = tokens
         return cache
 

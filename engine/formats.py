@@ -295,21 +295,24 @@ def page_from_planes(spec: PageSpec, planes: dict[str, mx.array]) -> bytes:
 
 
 def planes_from_page(spec: PageSpec, data, tokens: int) -> dict[str, mx.array]:
-    """A page's bytes -> name -> [H, tokens, width] (exact bytes, no re-encoding)."""
+    """A page's bytes -> name -> [H, tokens, width] (exact bytes, no re-encoding).
+
+    One copy: the page's bytes become one uint8 array, and each plane is a
+    reinterpreting view of its slice of it (hosts are little-endian, as pages are).
+    """
     view = memoryview(data).cast("B")
     if len(view) != spec.page_nbytes(tokens):
         raise FormatMismatch(f"a page of {tokens} tokens is {spec.page_nbytes(tokens)} bytes, "
                              f"got {len(view)}")
+    raw = mx.array(np.frombuffer(view, dtype=np.uint8))
     out, start = {}, 0
     for name in spec.plane_names:
         dtype = spec.plane_dtypes[name]
         shape = (spec.kv_heads, tokens, spec.plane_widths[name])
-        count = shape[0] * shape[1] * shape[2]
-        raw = np.frombuffer(view, dtype=np.dtype(_NUMPY_DTYPES[dtype]).newbyteorder("<"),
-                            count=count, offset=start)
-        array = mx.array(raw.astype(_NUMPY_DTYPES[dtype], copy=False).reshape(shape))
-        out[name] = array.view(mx.bfloat16) if dtype == mx.bfloat16 else array
-        start += count * dtype.size
+        nbytes = shape[0] * shape[1] * shape[2] * dtype.size
+        plane = raw[start : start + nbytes]
+        out[name] = (plane if dtype == mx.uint8 else plane.view(dtype)).reshape(shape)
+        start += nbytes
     return out
 
 
