@@ -10,7 +10,10 @@
     │                                 cache's page format (dtype, heads, head dim, length)
     ├── PoolExhausted                 no free block and the pool may not grow; raised
     │                                 before any block or table was changed
-    └── SnapshotReleased              a page snapshot was read after release()
+    ├── SnapshotReleased              a page snapshot was read after release()
+    └── GrantExceeded                 a cache under an admission grant would grow past it
+                                      and the growth was not admitted; raised before any
+                                      block was allocated (carries the decision)
 
 Three levels, as the style guide asks: these exceptions for a caller's mistake or a
 failed operation; returned decisions (admission, restore-or-recompute) for "cannot
@@ -66,3 +69,14 @@ class PoolExhausted(EngineError):
 
 class SnapshotReleased(EngineError):
     code = "snapshot_released"
+
+
+class GrantExceeded(EngineError):
+    """A cache under an admission grant would allocate past the grant, and pricing the
+    growth did not admit it. `decision` is the Deferred or Refused that said so."""
+
+    code = "grant_exceeded"
+
+    def __init__(self, message: str, decision=None):
+        super().__init__(message)
+        self.decision = decision

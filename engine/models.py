@@ -82,10 +82,12 @@ def default_attention_impl(pool: BlockPool) -> str | None:
 
 def make_cache(model: nn.Module, policy: KVPolicy | None = None, *, model_id: str | None = None,
                pools: list[BlockPool | None] | None = None,
-               attention_impl: str | None = "auto") -> list:
+               attention_impl: str | None = "auto", grant=None) -> list:
     """The model's cache list with paged full-attention layers (see the module docstring).
 
     attention_impl: "auto" (default_attention_impl), None (kernels dispatch) or a name.
+    grant: an engine.admission Grant priced over `pools`; its caches check every
+    allocation against it and close() frees them (see engine/admission.py).
     """
     policy = policy or KVPolicy()
     geometry = layer_geometry(model.args)
@@ -102,11 +104,14 @@ def make_cache(model: nn.Module, policy: KVPolicy | None = None, *, model_id: st
             assert layer.kind == "full" and pool is not None, (
                 f"layer {index}: mlx-lm builds a KVCache but the rules say {layer.kind}")
             impl = default_attention_impl(pool) if attention_impl == "auto" else attention_impl
-            cache = PagedKVCache(pool, attention_impl=impl)
+            cache = (PagedKVCache(pool, attention_impl=impl) if grant is None
+                     else grant.new_cache(pool, attention_impl=impl))
             cache.routed_by = routed_by
             caches.append(cache)
         else:
             assert layer.kind != "full" or not isinstance(cache, RotatingKVCache), (
                 f"layer {index}: the rules say full attention, mlx-lm builds {type(cache).__name__}")
             caches.append(cache)
+    if grant is not None:
+        grant.bind(caches)
     return caches

@@ -13,6 +13,12 @@ restore samples starts from a deliberately low prior (DEFAULT_RESTORE_BYTES_PER_
 so early decisions lean to recompute only for prefixes whose bytes outweigh a prefill
 we have measured; with no prefill samples there is nothing to compare and the engine
 restores (which also measures the restore rate).
+
+Admission (engine/admission.py) reads two more things from here: concurrency_limit()
+(a key with fewer than `warmup_samples` samples of its own runs one request at a time;
+each further `warmup_samples` samples admit one more, up to a ceiling) and forecast_s()
+(seconds to prefill and decode some tokens at a key's rates; None while either rate
+has no samples, because a rate learned under another key is never borrowed).
 """
 
 from __future__ import annotations
@@ -74,6 +80,27 @@ class RateBook:
     def samples(self, key: ExecutionKey, metric: str) -> int:
         found = self.rate(key, metric)
         return found.samples if found else 0
+
+    def concurrency_limit(self, key: ExecutionKey, *, warmup_samples: int, ceiling: int) -> int:
+        """Requests of this key allowed at once: 1 until the key has warmup_samples
+        prefill and decode samples of its own, then one more per warmup_samples, up to
+        ceiling."""
+        samples = min(self.samples(key, "prefill_tokens_per_s"),
+                      self.samples(key, "decode_tokens_per_s"))
+        return max(1, min(ceiling, 1 + samples // max(1, warmup_samples)))
+
+    def forecast_s(self, key: ExecutionKey, prefill_tokens: int, decode_tokens: int) -> float | None:
+        """Seconds to prefill then decode the given tokens at this key's own rates."""
+        seconds = 0.0
+        for metric, tokens in (("prefill_tokens_per_s", prefill_tokens),
+                               ("decode_tokens_per_s", decode_tokens)):
+            if tokens <= 0:
+                continue
+            rate = self.rate(key, metric)
+            if rate is None or rate.mean <= 0:
+                return None
+            seconds += tokens / rate.mean
+        return seconds
 
     def decide_restore(self, compute_key: ExecutionKey, restore_key: ExecutionKey,
                        tokens: int, nbytes: int) -> RestoreDecision:
