@@ -17,6 +17,7 @@ import dataclasses
 import importlib
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import blake3
@@ -53,9 +54,16 @@ def model_args(config):
             f"no paged-cache rules for model type {model_type!r} "
             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
-    module = importlib.import_module(f"mlx_lm.models.{_REMAPPED.get(model_type, model_type)}")
     data = config if isinstance(config, dict) else dataclasses.asdict(config)
-    return module.ModelArgs.from_dict(data)
+    return _model_args(model_type, json.dumps(data, sort_keys=True, default=str))
+
+
+@lru_cache(maxsize=64)
+def _model_args(model_type: str, config_json: str):
+    # ModelArgs.from_dict inspects signatures (milliseconds); restores ask per request.
+    # Keyed by the config's full JSON, so a changed config is a different entry.
+    module = importlib.import_module(f"mlx_lm.models.{_REMAPPED.get(model_type, model_type)}")
+    return module.ModelArgs.from_dict(json.loads(config_json))
 
 
 def canonical_config(config) -> dict[str, Any]:
