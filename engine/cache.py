@@ -238,26 +238,50 @@ class PagedKVCache:
     def from_pages(cls, pool: BlockPool, pages: list, **kwargs) -> "PagedKVCache":
         """A cache holding kvstore pages (bytes, in block order) as they are: no
         re-encoding. Every page but the last must hold a full block. Blocks are
-        allocated all at once (PoolExhausted changes nothing).
+        allocated all at once (PoolExhausted changes nothing)."""
+        cache = cls(pool, **kwargs)
+        cache.append_pages(pages)
+        return cache
 
-        Cost: one copy of each page into MLX, one slice write of each plane into the
-        pool (no gather, no padding, no scatter over the arena)."""
-        spec = pool.spec
+    @classmethod
+    def from_blocks(cls, pool: BlockPool, blocks: list[int], num_tokens: int,
+                    **kwargs) -> "PagedKVCache":
+        """A cache over blocks already resident in `pool` (shared: each gets one more
+        reference; a write into one copies it first)."""
+        size = pool.spec.block_size_tokens
+        if not (len(blocks) - 1) * size < num_tokens <= len(blocks) * size:
+            raise FormatMismatch(f"{num_tokens} tokens do not fill {len(blocks)} blocks of {size}")
+        cache = cls(pool, **kwargs)
+        pool.incref(blocks)
+        cache._blocks.extend(blocks)
+        cache.offset = num_tokens
+        return cache
+
+    def append_pages(self, pages: list) -> None:
+        """Append kvstore pages after a block-aligned history, byte for byte.
+
+        Cost: one copy of each page into MLX and one slice write of each plane into
+        the pool (no gather, no padding, no scatter over the arena)."""
+        spec = self.spec
         size = spec.block_size_tokens
+        if self.offset % size:
+            raise FormatMismatch(f"pages append at a block boundary; the cache holds {self.offset} tokens")
+        if not pages:
+            return
         lengths = [len(memoryview(p).cast("B")) for p in pages]
         full, per_token = spec.page_nbytes(size), spec.page_nbytes(1)
-        if not pages or any(n != full for n in lengths[:-1]):
+        if any(n != full for n in lengths[:-1]):
             raise FormatMismatch(f"every page but the last must hold a full block ({full} bytes)")
         if lengths[-1] == 0 or lengths[-1] % per_token or lengths[-1] > full:
             raise FormatMismatch(f"the last page must hold 1..{size} tokens of {per_token} bytes")
-        tokens = (len(pages) - 1) * size + lengths[-1] // per_token
-        cache = cls(pool, **kwargs)
-        cache._make_writable(0, tokens)
-        for index, (block, page) in enumerate(zip(cache._blocks, pages, strict=True)):
-            count = min(size, tokens - index * size)
-            pool.write(block, 0, planes_from_page(spec, page, count))
-        cache.offset = tokens
-        return cache
+        start = self.offset
+        stop = start + (len(pages) - 1) * size + lengths[-1] // per_token
+        first = len(self._blocks)
+        self._make_writable(start, stop)
+        for index, page in enumerate(pages):
+            count = min(size, stop - start - index * size)
+            self.pool.write(self._blocks[first + index], 0, planes_from_page(spec, page, count))
+        self.offset = stop
 
     # -- internals ----------------------------------------------------------------
     def _check_input(self, keys: mx.array, values: mx.array) -> None:

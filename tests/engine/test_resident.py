@@ -1,0 +1,46 @@
+"""ResidentIndex: blocks already in this process are shared, not fetched again."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from engine.attention import installed
+from engine.models import make_cache, make_pools, model_identity
+from engine.policy import KVPolicy
+from engine.resident import ResidentIndex
+from kvstore.ids import chain_keys
+from tests.engine.factories import prompt_tokens, tiny_model
+
+MODEL_ID = "test/tiny"
+
+
+def test_adopted_blocks_are_shared_and_copy_on_write():
+    model = tiny_model("llama", mx.bfloat16)
+    policy = KVPolicy(block_size_tokens=16)
+    identity = model_identity(model, policy, model_id=MODEL_ID)
+    pools = make_pools(model, policy, model_id=MODEL_ID)
+    tokens = prompt_tokens(50, seed=40).tolist()
+    with installed(model):
+        cache = make_cache(model, policy, model_id=MODEL_ID, pools=pools)
+        mx.eval(model(mx.array([tokens]), cache=cache))
+        index = ResidentIndex(pools, capacity_blocks=8)
+        assert index.register(identity, "default", tokens, cache) == 3  # full blocks only
+        keys = chain_keys(identity.format_id, "default", tokens, 16)
+        assert index.longest(keys) == 3
+        assert index.longest(chain_keys(identity.format_id, "other", tokens, 16)) == 0
+        used = [p.num_used_blocks for p in pools if p]
+        adopted = index.adopt(keys[:3], 16, attention_impl=cache[0].attention_impl)
+        assert [p.num_used_blocks for p in pools if p] == used  # nothing allocated, nothing copied
+        restored = [adopted.get(i, c) for i, c in enumerate(cache)]
+        for layer, c in adopted.items():
+            assert c.block_ids == cache[layer].block_ids[:3]
+            assert pools[layer].refcount(c.block_ids[0]) == 3  # live cache, index, adopted
+        # the adopted caches continue the prompt exactly like the live cache
+        suffix = tokens[48:]
+        got = model(mx.array([suffix]), cache=restored)[:, -1]
+        for c in cache:
+            c.trim(c.size() - 48)
+        want = model(mx.array([suffix]), cache=cache)[:, -1]
+        assert mx.array_equal(got, want).item()
+        index.clear()
+        assert len(index) == 0
