@@ -25,7 +25,8 @@ re-PUTs an object in exactly that gap can end up with a record naming a page tha
 gone; readers treat that as a miss (the prefix ends there), never as wrong bytes.
 
 A manifest or a root block record that fails its check stops the plan
-(RemoteIntegrityError): GC cannot know what it references.
+(RemoteIntegrityError): GC cannot know what it references. Objects whose names are
+not in the layout are left alone.
 """
 
 from __future__ import annotations
@@ -146,7 +147,11 @@ def plan_remote_gc(bucket: Bucket, layout: L.Layout, grace_s: float = 3600.0) ->
         marked_pages.update(ckpt.attachments.values())
         marked_formats.add(ckpt.format_id)
 
-    blocks = {ChainKey.parse(o.key.rsplit("/", 1)[-1]): o for o in bucket.list(layout.kind_prefix("blocks"))}
+    blocks = {}
+    for o in bucket.list(layout.kind_prefix("blocks")):
+        k = _parsed(ChainKey.parse, o)
+        if k is not None:
+            blocks[k] = o
     root_blocks.update(k for k, o in blocks.items() if o.last_modified > cutoff)
 
     marked_blocks: set[ChainKey] = set()
@@ -176,7 +181,17 @@ def plan_remote_gc(bucket: Bucket, layout: L.Layout, grace_s: float = 3600.0) ->
         return True
     plan.blocks = [o for k, o in blocks.items() if sweepable(o, k in marked_blocks)]
     plan.pages = [o for o in bucket.list(layout.kind_prefix("pages"))
-                  if sweepable(o, PageDigest.parse(o.key.rsplit("/", 1)[-1]) in marked_pages)]
+                  if (d := _parsed(PageDigest.parse, o)) is not None and sweepable(o, d in marked_pages)]
     plan.formats = [o for o in bucket.list(layout.kind_prefix("formats"))
-                    if sweepable(o, bytes.fromhex(o.key.rsplit("/", 1)[-1]) in marked_formats)]
+                    if (f := _parsed(PageDigest.parse, o)) is not None
+                    and sweepable(o, bytes(f) in marked_formats)]
     return plan
+
+
+def _parsed(parse, info: ObjectInfo):
+    """The digest an object is named by, or None for a name outside the layout (never
+    swept: GC deletes only what it can name)."""
+    try:
+        return parse(info.key.rsplit("/", 1)[-1])
+    except InvalidInput:
+        return None

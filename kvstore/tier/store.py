@@ -291,10 +291,7 @@ class TieredStore:
         except RemoteUnavailable as exc:
             # an inference host must not fail because the bucket is down: answer with
             # the local match (a miss costs a recompute) and skip the bucket for a while
-            self._count("unavailable")
-            self._bucket_down_until = time.monotonic() + BUCKET_DOWN_S
-            log.warning("bucket unavailable during a lookup; local answers only for %.0fs: %s",
-                        BUCKET_DOWN_S, exc)
+            self._bucket_down(exc)
             return local
 
     def _lookup_remote(self, local: PrefixMatch, format_id, namespace: str, tokens, max_tokens):
@@ -453,8 +450,24 @@ class TieredStore:
             self._manifests[key] = (etag, ckpt)
         return ckpt
 
+    def _bucket_down(self, exc: Exception) -> None:
+        self._count("unavailable")
+        self._bucket_down_until = time.monotonic() + BUCKET_DOWN_S
+        log.warning("bucket unavailable; local answers only for %.0fs: %s", BUCKET_DOWN_S, exc)
+
     def list_checkpoints(self, namespace: str | None = None) -> list[Checkpoint]:
+        """Local manifests and the bucket's (without their blocks: get_checkpoint or
+        get_blocks pulls those). Local only while the bucket is down."""
         out = {(c.namespace, c.name): c for c in self.local.list_checkpoints(namespace)}
+        if time.monotonic() < self._bucket_down_until:
+            return sorted(out.values(), key=lambda c: (c.namespace, c.name))
+        try:
+            self._list_remote_checkpoints(namespace, out)
+        except RemoteUnavailable as exc:
+            self._bucket_down(exc)
+        return sorted(out.values(), key=lambda c: (c.namespace, c.name))
+
+    def _list_remote_checkpoints(self, namespace: str | None, out: dict) -> None:
         for info in self.bucket.list(self.layout.checkpoint_prefix(namespace)):
             ns, _, name = info.key[len(self.layout.checkpoint_prefix(None)):].partition("/")
             if (ns, name) in out:
@@ -462,7 +475,6 @@ class TieredStore:
             ckpt = self._remote_manifest(info.key, ns, name, info.etag)
             if ckpt is not None:
                 out[(ns, name)] = ckpt
-        return sorted(out.values(), key=lambda c: (c.namespace, c.name))
 
     def _ensure_pages(self, digests: Sequence) -> None:
         wanted = [PageDigest.coerce(d) for d in digests]

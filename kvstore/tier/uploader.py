@@ -36,6 +36,7 @@ RETRY_BASE_S = 0.5
 RETRY_MAX_S = 60.0
 WAIT_DEPENDENCY_S = 0.2
 BATCH_JOBS = 64
+CONFIRMED_MAX = 200_000  # remembered confirmations (about 150 bytes each)
 
 
 class _Wait(Exception):
@@ -142,8 +143,12 @@ class Uploader:
         return outcome
 
     def _confirm(self, key: str) -> None:
+        now = time.monotonic()
         with self._confirm_lock:
-            self._confirmed[key] = time.monotonic()
+            self._confirmed[key] = now
+            if len(self._confirmed) > CONFIRMED_MAX:  # bounded: drop what has expired anyway
+                horizon = now - self.refresh_after_s / 2
+                self._confirmed = {k: t for k, t in self._confirmed.items() if t >= horizon}
 
     # -- one upload per kind -----------------------------------------------------------------
     def _upload_page(self, key: str) -> str:
