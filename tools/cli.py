@@ -5,8 +5,10 @@ an example; it parses options, calls one package function, and turns errors into
 message and an exit code at this edge (see `fail`). Commands that read a store take
 --data-dir for a local directory or --url/--token for a running service.
 
-Exit codes: 0 success; 1 the operation failed (a store error); 2 bad usage (typer's
-own); 3 refused for safety (for example an unsafe bind).
+Exit codes are the ones every command shares (tools/commands/common.py EXIT_CODES):
+0 ok; 1 problems found or the operation failed; 2 usage error (bad settings, or an
+unsafe bind such as a non-loopback host without a token); 3 not found; 4
+incompatible or corrupt; 5 conflict; 6 access denied.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Annotated, Optional
 import typer
 
 from tools.commands import register as register_operator_commands
+from tools.commands.common import EXIT_USAGE, fail
 
 app = typer.Typer(name="kvstore", help="Operate an mlx-kvstore page store.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -26,15 +29,6 @@ app = typer.Typer(name="kvstore", help="Operate an mlx-kvstore page store.",
 @app.callback()
 def _root() -> None:
     """Operate an mlx-kvstore page store: serve it over HTTP, inspect it, check it, collect garbage."""
-
-
-EXIT_FAILED = 1
-EXIT_REFUSED = 3
-
-
-def fail(message: str, code: int = EXIT_FAILED) -> None:
-    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
-    raise typer.Exit(code)
 
 
 @app.command()
@@ -66,11 +60,11 @@ def serve(
         settings = Settings.load(config, data_dir=data_dir, host=host, port=port,
                                  tokens_file=tokens_file, log_level=log_level)
     except (ValueError, OSError) as exc:
-        fail(f"bad settings: {exc}", 2)
+        fail(f"bad settings: {exc}", EXIT_USAGE)
     try:
         run_server(settings)
     except UnsafeBind as exc:
-        fail(str(exc), EXIT_REFUSED)
+        fail(str(exc), EXIT_USAGE)
 
 
 register_operator_commands(app)

@@ -58,7 +58,7 @@ def test_serve_help_has_an_example_and_refuses_an_unsafe_bind(monkeypatch):
     result = runner.invoke(app, ["serve", "--help"])
     assert result.exit_code == 0 and "Example" in result.output and "kvstore serve" in result.output
     result = runner.invoke(app, ["serve", "--host", "0.0.0.0", "--port", "1"])
-    assert result.exit_code == 3 and "refusing" in result.output
+    assert result.exit_code == 2 and "refusing" in result.output
 
 
 def test_metrics_count_requests_by_route_template(open_client):
