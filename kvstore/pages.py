@@ -179,6 +179,8 @@ def decode_stored(header: PageHeader, body) -> memoryview | bytes:
     any damage, including a broken zstd frame."""
     if header.codec == CODEC_RAW:
         return body
+    if header.raw_nbytes > MAX_PAGE_NBYTES:  # xxh3 covers the body, not this header field
+        raise ValueError(f"header's raw_nbytes {header.raw_nbytes} exceeds the page limit")
     try:
         raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=header.raw_nbytes)
     except zstandard.ZstdError as exc:
