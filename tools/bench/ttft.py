@@ -12,7 +12,10 @@ For each prompt length and page format, in one run, interleaved:
   restore    restore() the prompt's stored prefix (all but the last token) from an
              embedded Store published beforehand (untimed), prefill the last token,
              sample the first token.
-Both end with mx.eval of the first token. Medians over --repeats.
+  mlx-lm file  the peer: load_prompt_cache of a .safetensors file holding mlx-lm
+             KVCache objects for the same prefix (saved beforehand, untimed; bf16, so
+             the same file serves every page format), prefill the last token, sample.
+All end with mx.eval of the first token. Medians over --repeats.
 
 Sizes: "1b" is Llama-3.2-1B's geometry (16 layers, hidden 2048, 32 query / 8 KV heads of
 64, MLP 8192, vocab 128256). On this project's 2-core CPU machines with MLX's reference
@@ -33,6 +36,7 @@ import time
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 from engine.attention import installed
 from engine.models import make_cache, make_pools, model_identity
@@ -40,6 +44,7 @@ from engine.policy import KVPolicy
 from engine.publish import publish
 from engine.restore import restore
 from kvstore.store import Store
+from tools.bench.common import machine_line
 
 SIZES = {
     "1b": dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=32,
@@ -78,7 +83,8 @@ def run(size: str, prompts: list[int], formats: list[str], repeats: int, block_s
     model, params = build_model(size)
     vocab = SIZES[size]["vocab_size"]
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, Store(tmp) as store, installed(model):
+    prompt_files: dict[int, str] = {}  # prompt length -> mlx-lm prompt-cache file of its prefix
+    with tempfile.TemporaryDirectory() as tmp, Store(f"{tmp}/store") as store, installed(model):
         for fmt in formats:
             policy = KVPolicy(default_format=fmt, block_size_tokens=block_size)
             identity = model_identity(model, policy, model_id=MODEL_ID)
@@ -90,7 +96,13 @@ def run(size: str, prompts: list[int], formats: list[str], repeats: int, block_s
                 publish(store, identity, tokens[:-1], cache)
                 for c in cache:
                     c.free()
-                recompute, restored = [], []
+                if length not in prompt_files:
+                    kv_caches = [KVCache() for _ in model.layers]
+                    first_token(model, tokens, kv_caches)  # fills all but the last token
+                    prompt_files[length] = f"{tmp}/prompt-{length}.safetensors"
+                    save_prompt_cache(prompt_files[length], kv_caches)
+                    del kv_caches
+                recompute, restored, loaded = [], [], []
                 for _ in range(repeats):
                     t0 = time.perf_counter()
                     cache = make_cache(model, policy, model_id=MODEL_ID, pools=pools)
@@ -110,20 +122,30 @@ def run(size: str, prompts: list[int], formats: list[str], repeats: int, block_s
                     assert token.item() == want, "restored first token differs from recompute"
                     for c in result.cache:
                         c.free()
+                    t0 = time.perf_counter()
+                    kv_caches = load_prompt_cache(prompt_files[length])
+                    logits = model(mx.array([tokens[-1:]]), cache=kv_caches)
+                    mx.eval(mx.argmax(logits[:, -1], axis=-1))
+                    loaded.append(time.perf_counter() - t0)
+                    del kv_caches
                 rec, res = statistics.median(recompute), statistics.median(restored)
+                load = statistics.median(loaded)
                 rows.append({"size": size, "params": params, "format": fmt, "prompt_tokens": length,
                              "recompute_s": rec, "restore_s": res, "speedup": rec / res,
                              "recompute_min_max": [min(recompute), max(recompute)],
                              "restore_min_max": [min(restored), max(restored)],
+                             "mlx_lm_load_s": load, "mlx_lm_load_min_max": [min(loaded), max(loaded)],
                              "restored_bytes": result.bytes_read, "device": str(mx.default_device())})
                 print(f"  {fmt:>6} {length:>6} tokens: recompute {rec * 1e3:9.1f} ms, "
-                      f"restore {res * 1e3:8.1f} ms, {rec / res:7.1f}x", file=sys.stderr)
+                      f"restore {res * 1e3:8.1f} ms, {rec / res:7.1f}x, mlx-lm file {load * 1e3:8.1f} ms",
+                      file=sys.stderr)
     return rows
 
 
 def table(rows: list[dict]) -> str:
     head = ("| format | prompt tokens | recompute TTFT (median, min-max) | restore TTFT (median, "
-            "min-max) | restored MiB | speedup |\n|---|---|---|---|---|---|")
+            "min-max) | restored MiB | speedup | mlx-lm file TTFT (median, min-max) | restore vs "
+            "mlx-lm file |\n|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         lines.append(
@@ -131,7 +153,8 @@ def table(rows: list[dict]) -> str:
             f"({r['recompute_min_max'][0] * 1e3:.1f}-{r['recompute_min_max'][1] * 1e3:.1f}) | "
             f"{r['restore_s'] * 1e3:.2f} ms ({r['restore_min_max'][0] * 1e3:.2f}-"
             f"{r['restore_min_max'][1] * 1e3:.2f}) | {r['restored_bytes'] / 2**20:.1f} | "
-            f"{r['speedup']:.1f}x |")
+            f"{r['speedup']:.1f}x | {r['mlx_lm_load_s'] * 1e3:.2f} ms ({r['mlx_lm_load_min_max'][0] * 1e3:.2f}-"
+            f"{r['mlx_lm_load_min_max'][1] * 1e3:.2f}) | {r['mlx_lm_load_s'] / r['restore_s']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -152,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     params = rows[0]["params"] if rows else 0
     print(f"## Time to first token: store hit vs recompute\n\nmodel: llama-shaped `{size}` "
           f"({params / 1e6:.1f}M parameters, bf16), device {mx.default_device()}, block "
-          f"{args.block_size} tokens, median of {repeats}\n")
+          f"{args.block_size} tokens, median of {repeats}, arms interleaved\n\n{machine_line()}\n")
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:
