@@ -13,6 +13,8 @@ Measured in one run, per (batch, context):
   direct       paged_attention with the direct path per page format (cuda/metal kernel on a
                GPU, the partitioned MLX-ops path on the CPU)
 Times are medians over repeats; each sample evaluates --inner independent calls and divides.
+"rel err" is each output's error against SDPA over the same K/V in float32:
+||out - exact|| / ||exact|| over the batch (what a page format costs in accuracy).
 "eval" times evaluation of graphs built before the clock starts; "build+eval" adds the
 Python that builds them (see timed()).
 GB/s counts the page bytes one call must read (K/V planes of the visible tokens); "% copy"
@@ -37,6 +39,7 @@ from kernels.attention import default_impl, paged_attention
 from kernels.hadamard import rotate
 from kernels.layout import PageLayout
 from kernels.quant import quantize
+from tools.bench.common import machine_line
 
 N_Q_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
 FORMATS = {
@@ -138,27 +141,40 @@ def bench_case(batch, tokens, args, direct_impl, quantized_sdpa, rows, copy_bps)
     values = mx.random.normal((batch, N_KV_HEADS, tokens, HEAD_DIM)).astype(mx.bfloat16)
     queries = mx.random.normal((batch, N_Q_HEADS, 1, HEAD_DIM)).astype(mx.bfloat16)
     mx.eval(keys, values, queries)
+    exact = mx.fast.scaled_dot_product_attention(
+        queries.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32), scale=scale)
 
-    def add(method, fmt, times, page_bytes):
+    def rel_err(out) -> float:
+        diff = out.astype(mx.float32) - exact
+        return (mx.sqrt((diff * diff).sum()) / mx.sqrt((exact * exact).sum())).item()
+
+    def add(method, fmt, times, page_bytes, fn):
         seconds, with_build = times
         rows.append(dict(batch=batch, context=tokens, method=method, format=fmt,
                          us=seconds * 1e6, call_us=with_build * 1e6, page_bytes=page_bytes,
                          gbps=page_bytes / seconds / 1e9 if page_bytes else None,
-                         copy_fraction=page_bytes / seconds / copy_bps if page_bytes else None))
+                         copy_fraction=page_bytes / seconds / copy_bps if page_bytes else None,
+                         rel_err=rel_err(fn())))
         print(f"  B={batch} T={tokens} {method:<10} {fmt:<7} {seconds * 1e6:10.1f} us "
               f"(with graph build {with_build * 1e6:.1f} us)", flush=True)
 
     dense_bytes = batch * tokens * N_KV_HEADS * page_nbytes_per_token(PageLayout())
-    add("dense", "bf16", timed(lambda: mx.fast.scaled_dot_product_attention(
-        queries, keys, values, scale=scale), args.repeats, args.inner), dense_bytes)
+    def dense():
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
+
+    add("dense", "bf16", timed(dense, args.repeats, args.inner), dense_bytes, dense)
     if quantized_sdpa is not None:
         q_keys = mx.quantize(keys, group_size=64, bits=4)
         q_values = mx.quantize(values, group_size=64, bits=4)
         mx.eval(q_keys, q_values)
         q4_bytes = sum(x.nbytes for x in (*q_keys, *q_values))
-        add("mlx-lm", "q4", timed(lambda: quantized_sdpa(
-            queries, q_keys, q_values, scale=scale, mask=None, group_size=64, bits=4),
-            args.repeats, args.inner), q4_bytes)
+        def mlx_lm_q4():
+            # its own array: mlx-lm scales the queries in place (`queries *= scale`), which
+            # shrank the queries of every later call of this case before this copy
+            return quantized_sdpa(mx.array(queries), q_keys, q_values, scale=scale, mask=None,
+                                  group_size=64, bits=4)
+
+        add("mlx-lm", "q4", timed(mlx_lm_q4, args.repeats, args.inner), q4_bytes, mlx_lm_q4)
         del q_keys, q_values
     for fmt in args.formats:
         layout = FORMATS[fmt]
@@ -173,14 +189,14 @@ def bench_case(batch, tokens, args, direct_impl, quantized_sdpa, rows, copy_bps)
                                        impl=impl, partition_tokens=args.partition_tokens)
 
             seconds = timed(call, args.repeats, args.inner)
-            add(method if method == "reference" else f"direct:{impl}", fmt, seconds, page_bytes)
+            add(method if method == "reference" else f"direct:{impl}", fmt, seconds, page_bytes, call)
 
 
 def print_table(rows, copy_bps):
-    print(f"\nmemory copy bandwidth (read + write): {copy_bps / 1e9:.1f} GB/s\n")
+    print(f"\nmemory copy bandwidth (read + write): {copy_bps / 1e9:.1f} GB/s\n\n{machine_line()}\n")
     print("| batch | context | method | format | eval (us) | vs dense | page GB/s | % of copy "
-          "| build+eval (us) | vs dense |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| build+eval (us) | vs dense | rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     dense = {(r["batch"], r["context"]): r["us"] for r in rows if r["method"] == "dense"}
     dense_call = {(r["batch"], r["context"]): r["call_us"] for r in rows if r["method"] == "dense"}
     for r in rows:
@@ -189,7 +205,7 @@ def print_table(rows, copy_bps):
         frac = f"{100 * r['copy_fraction']:.0f}%" if r["copy_fraction"] else "-"
         print(f"| {r['batch']} | {r['context']} | {r['method']} | {r['format']} | "
               f"{r['us']:.1f} | {ratio:.2f}x | {gbps} | {frac} | {r['call_us']:.1f} | "
-              f"{dense_call[(r['batch'], r['context'])] / r['call_us']:.2f}x |")
+              f"{dense_call[(r['batch'], r['context'])] / r['call_us']:.2f}x | {r['rel_err']:.1e} |")
 
 
 def main(argv=None) -> int:
@@ -219,13 +235,15 @@ def main(argv=None) -> int:
     elif on_gpu:
         contexts = [4096, 32768, 131072]
     else:
-        contexts = [4096, 32768] if args.quick else [4096, 16384, 32768]
+        # --quick stays at short contexts so the whole `kvstore bench --quick` fits in
+        # 3 minutes on a 2-core machine (4K/32K took ~217 s on its own)
+        contexts = [1024, 2048, 4096] if args.quick else [4096, 16384, 32768]
         print("note: CPU run; contexts scaled down from 4K/32K/128K to "
               f"{'/'.join(str(c) for c in contexts)} (the CPU target is 32K)")
     batches = [int(x) for x in args.batches.split(",")] if args.batches else (
         [1] if args.quick or not on_gpu else [1, 8])
     args.formats = args.formats.split(",")
-    args.repeats = args.repeats or (5 if args.quick else 11 if on_gpu else 5)
+    args.repeats = args.repeats or (3 if args.quick else 11 if on_gpu else 5)
     args.inner = args.inner or (10 if on_gpu else 1)
 
     copy_bps = copy_bandwidth((1 << 30) if on_gpu else (1 << 28), args.repeats)
