@@ -40,6 +40,7 @@ from kvstore.format import FormatIdentity, LayerSpec
 from kvstore.ids import page_digest
 from kvstore.records import blocks_for_tokens
 from kvstore.store import Store
+from tools.bench.common import machine_line
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_TOKENS, TOKENS = 32, 8, 128, 256, 4096
 TARGET_HTTP_GBPS = 0.8
@@ -211,9 +212,11 @@ def main(argv: list[str] | None = None) -> int:
                 proc.terminate()
                 proc.wait(10)
     embedded, http, fast, ceiling = results
-    print(f"\n{'path':<22}{'median s':>10}{'GB/s':>8}{'min s':>8}{'max s':>8}")
+    print(f"\n{machine_line()}\n")
+    print("| path | median ms | min-max ms | GB/s | vs embedded |\n|---|---:|---:|---:|---:|")
     for r in results:
-        print(f"{r['path']:<22}{r['median_s']:>10.3f}{r['gbps']:>8.2f}{r['min_s']:>8.3f}{r['max_s']:>8.3f}")
+        print(f"| {r['path']} | {r['median_s'] * 1e3:.1f} | {r['min_s'] * 1e3:.1f}-{r['max_s'] * 1e3:.1f} "
+              f"| {r['gbps']:.2f} | {r['gbps'] / embedded['gbps']:.2f}x |")
     http_ratio = http["gbps"] / embedded["gbps"]
     fast_ratio = fast["gbps"] / embedded["gbps"]
     print(f"\nHTTP / embedded       {http_ratio:.2f}x")
