@@ -358,6 +358,16 @@ class RemoteStore:
         body = self._post("/v1/blocks/get", {"keys": wanted}, idempotent=True)
         return [block_from_json(b) for b in body["blocks"]]
 
+    def list_blocks(self, namespace: str | None = None, *, after=None,
+                    limit: int = 1000) -> list[BlockRecord]:
+        params: dict = {"limit": limit}
+        if namespace is not None:
+            params["namespace"] = namespace
+        if after is not None:
+            params["after"] = ChainKey.coerce(after).hex()
+        body = self._get("/v1/blocks", params=params)
+        return [block_from_json(b) for b in body["blocks"]]
+
     def has_blocks(self, keys: Sequence) -> list[bool]:
         wanted = [ChainKey.coerce(k).hex() for k in keys]
         return self._post("/v1/blocks/has", {"keys": wanted}, idempotent=True)["present"]

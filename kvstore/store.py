@@ -473,6 +473,31 @@ class Store:
                 out.append(BlockRecord.decode(raw))
         return out
 
+    def list_blocks(self, namespace: str | None = None, *, after=None,
+                    limit: int = 1000) -> list[BlockRecord]:
+        """Block records in chain-key order, after the key `after` (exclusive), at most
+        `limit`, of one namespace or of all. Page through a store with
+        after=<last key of the previous page>."""
+        if not 1 <= limit <= 100_000:
+            raise InvalidInput("limit must be in [1, 100000]")
+        if namespace is not None:
+            check_namespace(namespace)
+        start = bytes(ChainKey.coerce(after)) if after is not None else b""
+        out: list[BlockRecord] = []
+        with self._lmdb.read() as txn:
+            with txn.cursor(db=self._lmdb.dbs["blocks"]) as cur:
+                if not cur.set_range(start):
+                    return out
+                for key, value in cur:
+                    if bytes(key) == start:
+                        continue
+                    record = BlockRecord.decode(value)
+                    if namespace is None or record.namespace == namespace:
+                        out.append(record)
+                        if len(out) >= limit:
+                            break
+        return out
+
     def has_blocks(self, keys: Sequence) -> list[bool]:
         with self._lmdb.read() as txn:
             return [txn.get(ChainKey.coerce(k), db=self._lmdb.dbs["blocks"]) is not None

@@ -10,12 +10,13 @@ Nouns:
   stored      bytes on disk of the distinct pages it names, headers included; shared
               pages count in full for every entry that names them
 
-Checkpoints come from the store protocol, so they list through Store and RemoteStore
-alike. Prefixes, per-page stored sizes and reverse references need the block and page
-tables, which no store method or HTTP route enumerates yet: for a local Store they
-are read here in one read transaction through Store.lmdb (the same public handle
-kvstore.check and kvstore.gc use); for a RemoteStore they are reported as absent.
-Cost: one pass over every block record (O(blocks) memory), which suits an admin tool.
+Checkpoints and block records come from the store protocol (list_checkpoints,
+list_blocks), so they list through Store and RemoteStore alike; pins are recounted
+from the checkpoints. Per-page stored sizes and reverse references need the page
+tables: for a local Store they are read in one read transaction through Store.lmdb
+(the same public handle kvstore.check and kvstore.gc use); over HTTP stored sizes are
+reported as unknown. Cost: one pass over every block record (O(blocks) memory), which
+suits an admin tool.
 """
 
 from __future__ import annotations
@@ -77,11 +78,16 @@ def local_only(store) -> bool:
 
 
 # -- local reads ----------------------------------------------------------------------------
-def all_blocks(store) -> dict[bytes, BlockRecord]:
-    """Every block record, by chain key (local store only)."""
-    dbs = store.lmdb.dbs
-    with store.lmdb.read() as txn:
-        return {bytes(k): BlockRecord.decode(v) for k, v in txn.cursor(db=dbs["blocks"])}
+def all_blocks(store, page_size: int = 5000) -> dict[bytes, BlockRecord]:
+    """Every block record the store lets this caller see, by chain key."""
+    out: dict[bytes, BlockRecord] = {}
+    after = None
+    while True:
+        page = store.list_blocks(after=after, limit=page_size)
+        out.update((bytes(r.key), r) for r in page)
+        if len(page) < page_size:
+            return out
+        after = page[-1].key
 
 
 def page_sizes(store, digests: Iterable) -> dict[bytes, tuple[int, Optional[int]]]:
@@ -109,10 +115,14 @@ def page_sizes(store, digests: Iterable) -> dict[bytes, tuple[int, Optional[int]
     return out
 
 
-def pins(store) -> dict[bytes, int]:
-    dbs = store.lmdb.dbs
-    with store.lmdb.read() as txn:
-        return {bytes(k): int.from_bytes(bytes(v), "big") for k, v in txn.cursor(db=dbs["pins"])}
+def pins(store, checkpoints: Optional[list[Checkpoint]] = None) -> dict[bytes, int]:
+    """Block -> number of checkpoints naming it (recounted from the checkpoints, so it
+    works over HTTP too)."""
+    counts: dict[bytes, int] = defaultdict(int)
+    for c in checkpoints if checkpoints is not None else store.list_checkpoints():
+        for k in c.chain_keys:
+            counts[bytes(k)] += 1
+    return dict(counts)
 
 
 def refcount(store, digest: bytes) -> int:
@@ -147,19 +157,15 @@ def entries(store, *, prefixes: bool = True) -> tuple[list[Entry], list[str]]:
     formats = _formats(store)
     notes: list[str] = []
     checkpoints = store.list_checkpoints()
-    if not local_only(store):
-        rows = [checkpoint_entry(store, c, formats) for c in checkpoints]
-        if prefixes:
-            notes.append("prefixes are listed only for a local --data-dir: no HTTP route "
-                         "enumerates block records yet")
-        return rows, notes
     blocks = all_blocks(store)
     digests = {bytes(d) for r in blocks.values() for d in r.pages}
     digests |= {bytes(d) for c in checkpoints for d in c.attachments.values()}
     sizes = page_sizes(store, digests)
     rows = [checkpoint_entry(store, c, formats, blocks, sizes) for c in checkpoints]
     if prefixes:
-        rows.extend(prefix_entries(blocks, sizes, formats, pins(store), checkpoints))
+        rows.extend(prefix_entries(blocks, sizes, formats, pins(store, checkpoints), checkpoints))
+    if not local_only(store):
+        notes.append("stored sizes are known only for a local --data-dir")
     return rows, notes
 
 
@@ -186,14 +192,14 @@ def prefix_entries(blocks: dict[bytes, BlockRecord], sizes: dict, formats: dict,
             continue
         records = chain(blocks, key)
         digests = [bytes(d) for r in records for d in r.pages]
-        distinct = dict.fromkeys(digests)
+        stored_parts = [sizes[d][1] for d in dict.fromkeys(digests) if d in sizes]
         identity = formats.get(leaf.format_id)
         rows.append(Entry(
             "prefix", key.hex(), leaf.namespace, leaf.format_id.hex(),
             identity.model_id if identity else "?", page_formats(identity),
             sum(len(r.tokens) for r in records), len(records),
             sum(sizes.get(d, (0, 0))[0] for d in digests),
-            sum(sizes[d][1] for d in distinct if d in sizes),
+            None if any(n is None for n in stored_parts) else sum(stored_parts),
             all(pin_counts.get(bytes(r.key), 0) > 0 for r in records),
             records[0].created_ns if records else leaf.created_ns,
             max(r.last_used_ns for r in records) if records else leaf.last_used_ns,

@@ -1,9 +1,11 @@
-"""Block records: POST commit, POST get, POST has. A token sees only the blocks of its
-namespace: another namespace's block reads exactly as an absent one."""
+"""Block records: POST commit, POST get, POST has, GET (list). A token sees only the
+blocks of its namespace: another namespace's block reads exactly as an absent one."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Query
 
 from api.auth import Principal, PrincipalDep
 from api.deps import StoreDep
@@ -51,3 +53,16 @@ def has_blocks(body: KeyList, store: StoreDep,
                principal: PrincipalDep) -> Presence:
     keys = [ChainKey.parse(k) for k in body.keys]
     return Presence(present=[r is not None for r in _visible(store, principal, keys)])
+
+
+@router.get("", response_model=BlockList)
+def list_blocks(store: StoreDep, principal: PrincipalDep,
+                namespace: Annotated[str | None, Query(max_length=64)] = None,
+                after: Annotated[str | None, Query(pattern="^[0-9a-f]{64}$")] = None,
+                limit: Annotated[int, Query(ge=1, le=10_000)] = 1000) -> dict:
+    """Block records in chain-key order, one page of at most `limit` after the key
+    `after`: of the token's namespace (or, for an admin over '*', of `namespace` or of
+    all)."""
+    scope = principal.default_namespace(namespace)
+    records = store.list_blocks(scope, after=ChainKey.parse(after) if after else None, limit=limit)
+    return {"blocks": [block_to_json(r) for r in records]}

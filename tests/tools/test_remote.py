@@ -15,10 +15,15 @@ from tools.commands.common import (
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory):
+def service_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("remote") / "store"
     build_store(path)
-    with live_service(path, token=USER_TOKEN, admin_token=ADMIN_TOKEN) as url:
+    return path
+
+
+@pytest.fixture(scope="module")
+def service(service_path):
+    with live_service(service_path, token=USER_TOKEN, admin_token=ADMIN_TOKEN) as url:
         yield url
 
 
@@ -28,12 +33,19 @@ def remote(url, *args, token=ADMIN_TOKEN):
 
 def test_read_commands_over_http(service):
     listed = remote(service, "ls", "--json").json()
-    assert sorted(e["name"] for e in listed["entries"]) == ["native", "short", "system-prompt"]
-    assert all(e["kind"] == "checkpoint" for e in listed["entries"]) and listed["notes"]
+    checkpoints = [e for e in listed["entries"] if e["kind"] == "checkpoint"]
+    prefixes = [e for e in listed["entries"] if e["kind"] == "prefix"]
+    assert sorted(e["name"] for e in checkpoints) == ["native", "short", "system-prompt"]
+    # block records list over HTTP too (GET /v1/blocks); only stored sizes stay unknown
+    # build_store: four chains, each ending in a leaf; three are pinned by checkpoints
+    assert sorted((e["tokens"], tuple(e["checkpoints"]), e["pinned"]) for e in prefixes) == [
+        (10, ("default/native",), True), (12, ("team-a/short",), True),
+        (37, (), False), (40, ("default/system-prompt",), True)]
+    assert prefixes and all(e["stored_nbytes"] is None for e in prefixes) and listed["notes"]
     sp = [e for e in listed["entries"] if e["name"] == "system-prompt"][0]
     assert sp["tokens"] == 40 and sp["logical_nbytes"] == 9600 and sp["stored_nbytes"] is None
     user = remote(service, "ls", "--json", token=USER_TOKEN).json()["entries"]
-    assert sorted(e["namespace"] for e in user) == ["default", "default"], "tenancy leaked"
+    assert {e["namespace"] for e in user} == {"default"}, "tenancy leaked"
     shown = remote(service, "show", "default/system-prompt", "--json").json()
     assert shown["kind"] == "checkpoint" and len(shown["page_table"]) == 10
     assert remote(service, "show", "default/nope").code == EXIT_NOT_FOUND
