@@ -9,9 +9,16 @@ Nouns:
   BlockPool      one layer's arena of fixed-size blocks with reference counts.
   PagedKVCache   an mlx-lm compatible layer cache whose history lives in pool blocks.
   PageSnapshot   immutable pages of a cache's history, pinned for publication.
+  Capture        a host copy of a cache's pages (and attachments) ready to publish.
+  Restored       a restored cache list and how many prompt tokens it already holds.
+  WriteBehindPublisher
+                 a byte-capped queue that publishes captures off the decode path.
+  ResidentIndex  blocks already in this process's pools, found by chain key.
 
 make_cache(model, policy) builds a model's caches; install(model) routes attention of
-paged layers through kernels.attention.paged_attention.
+paged layers through kernels.attention.paged_attention; publish/restore move pages
+between caches and a store (kvstore.Store or kvstore.client.RemoteStore);
+generate_with_store does restore -> prefill the rest -> generate -> publish.
 """
 
 from engine.attention import install, installed, uninstall  # noqa: F401
@@ -21,3 +28,8 @@ from engine.formats import FORMATS, PageSpec, bits_per_value, format_identity  #
 from engine.models import make_cache, make_pools, model_dtype, model_identity  # noqa: F401
 from engine.policy import KVPolicy  # noqa: F401
 from engine.pool import BlockPool  # noqa: F401
+from engine.generate import GenerationReport, generate_with_store  # noqa: F401,E402
+from engine.publish import capture, publish, upload  # noqa: F401,E402
+from engine.resident import ResidentIndex  # noqa: F401,E402
+from engine.restore import Restored, restore  # noqa: F401,E402
+from engine.writebehind import WriteBehindPublisher  # noqa: F401,E402
