@@ -27,6 +27,7 @@ def test_gc_kill_loop(tmp_path):
     run_loop(tmp_path, 50)
 
 
+@pytest.mark.timeout(1800)
 @pytest.mark.skipif(not SOAK, reason="soak tier: KVSTORE_SOAK=1 runs this loop for 500 cycles "
                     "(about 15 min on 2 cores); CI runs 50")
 def test_gc_kill_loop_soak(tmp_path):
@@ -63,6 +64,10 @@ def run_loop(tmp_path, cycles: int, soak: bool = False):
                 counts = verify_entries(store, sample)
                 failed_restores += counts["lost"] + counts["wrong"]
                 assert counts == {"lost": 0, "wrong": 0, "checkpoints_lost": 0}, (cycle, counts)
+            if soak and (cycle + 1) % 100 == 0:  # partial figures, should a soak be cut short
+                metric("gc_kill_loop_progress", cycles_done=cycle + 1, acknowledged_saves=len(entries),
+                       completed_gc_runs=runs, referenced_pages_deleted=missing,
+                       failed_restores=failed_restores, seconds=round(time.monotonic() - started, 1))
     finally:
         for w in writers:
             kill(w)

@@ -33,6 +33,7 @@ def test_server_kill_loop(tmp_path):
     run_loop(tmp_path, 50)
 
 
+@pytest.mark.timeout(5400)
 @pytest.mark.skipif(not SOAK, reason="soak tier: KVSTORE_SOAK=1 runs this loop for 1000 cycles "
                     "(about 45 min on 2 cores); CI runs 50")
 def test_server_kill_loop_soak(tmp_path):
@@ -78,6 +79,11 @@ def run_loop(tmp_path, cycles: int, soak: bool = False):
                 assert counts == {"lost": 0, "wrong": 0, "checkpoints_lost": 0}, (cycle, counts)
                 partial += partial_checkpoints(store)
                 assert partial == 0, f"cycle {cycle}: a partial checkpoint is visible"
+            if soak and (cycle + 1) % 100 == 0:  # partial figures, should a soak be cut short
+                metric("server_kill_loop_progress", cycles_done=cycle + 1,
+                       acknowledged_saves=len(entries), lost=lost, wrong_bytes=wrong,
+                       checkpoints_lost=ckpt_lost, partial_checkpoints=partial,
+                       check_problems=problems, seconds=round(time.monotonic() - started, 1))
     finally:
         for p in procs:
             kill(p)
