@@ -165,8 +165,12 @@ class UploadQueue:
     def done(self, jobs: list[Job]) -> None:
         """Remove finished (or dropped) jobs; a job replaced meanwhile (a newer intent
         for the same checkpoint) has another id and stays."""
+        if not jobs:
+            return
         with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
             self._db.executemany("DELETE FROM jobs WHERE id = ?", [(j.id,) for j in jobs])
+            self._db.execute("COMMIT")
 
     def retry(self, job: Job, delay_s: float, error: str | None) -> None:
         """Try again after delay_s; error None means 'waiting on a dependency', which

@@ -98,19 +98,24 @@ class Uploader:
     # -- running jobs ------------------------------------------------------------------------
     def run_now(self, jobs: list[Job]) -> list[Job]:
         """Run jobs (pages in parallel on the pool, records in order); returns those that
-        did not finish (waiting or failed, left queued for a retry)."""
+        did not finish (waiting or failed, left queued for a retry). Finished jobs leave
+        the queue in one transaction per lane (one fsync, not one per object); a crash
+        before that only repeats idempotent uploads."""
         unfinished = []
         for lane in sorted({j.lane for j in jobs}):
             batch = [j for j in jobs if j.lane == lane]
             if lane == 0:
                 futures = [self.bucket.pool.submit(self._run_one, j) for j in batch]
                 wait(futures)
-                unfinished += [j for j, f in zip(batch, futures, strict=True) if not f.result()]
+                finished = [f.result() for f in futures]
             else:
-                unfinished += [j for j in batch if not self._run_one(j)]
+                finished = [self._run_one(j) for j in batch]
+            self.queue.done([j for j, ok in zip(batch, finished, strict=True) if ok])
+            unfinished += [j for j, ok in zip(batch, finished, strict=True) if not ok]
         return unfinished
 
     def _run_one(self, job: Job) -> bool:
+        """True when the job is finished (uploaded, or dropped); the caller dequeues it."""
         try:
             outcome = getattr(self, f"_upload_{job.kind}")(job.key)
         except _Wait:
@@ -119,7 +124,6 @@ class Uploader:
         except _Drop as why:
             log.info("upload of %s %s dropped: %s", job.kind, job.key, why)
             self._count("dropped")
-            self.queue.done([job])
             return True
         except (KVStoreError, OSError, Exception) as exc:  # noqa: BLE001 - retried, never lost
             delay = min(RETRY_MAX_S, RETRY_BASE_S * 2 ** min(job.attempts, 16))
@@ -128,7 +132,6 @@ class Uploader:
             return False
         self._count({"new": "uploaded", "exists": "skipped_existing",
                      "refreshed": "refreshed"}.get(outcome, "uploaded"))
-        self.queue.done([job])
         return True
 
     def _count(self, name: str, n: int = 1) -> None:
