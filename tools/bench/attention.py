@@ -156,7 +156,7 @@ def bench_case(batch, tokens, args, direct_impl, quantized_sdpa, rows, copy_bps)
                          copy_fraction=page_bytes / seconds / copy_bps if page_bytes else None,
                          rel_err=rel_err(fn())))
         print(f"  B={batch} T={tokens} {method:<10} {fmt:<7} {seconds * 1e6:10.1f} us "
-              f"(with graph build {with_build * 1e6:.1f} us)", flush=True)
+              f"(with graph build {with_build * 1e6:.1f} us)", file=sys.stderr, flush=True)
 
     dense_bytes = batch * tokens * N_KV_HEADS * page_nbytes_per_token(PageLayout())
     def dense():
