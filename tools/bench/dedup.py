@@ -191,7 +191,7 @@ def report(result: dict) -> str:
         "",
         machine_line(),
         "",
-        markdown_table(["arm", "stored MiB", "x kvstore", "total save s", "x kvstore",
+        markdown_table(["arm", "stored MiB", "bytes vs kvstore", "total save s", "time vs kvstore",
                         "per checkpoint ms (median)", "min-max ms"], rows),
         "",
         f"kvstore holds {result['store_page_count']} unique pages "

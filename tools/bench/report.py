@@ -145,8 +145,10 @@ def write_report(out: Path, command: str, seconds: dict[str, float] | None = Non
         path = out / f"{suite}.md"
         if not path.exists():
             continue
-        lines += [f"## {suite}: {title}", "", path.read_text().strip() or "(no output: see "
-                  f"{suite}.stderr.txt)", ""]
+        # a suite's own headings sit one level under its section
+        body = "\n".join("#" + line if line.startswith("#") else line
+                         for line in path.read_text().strip().splitlines())
+        lines += [f"## {suite}: {title}", "", body or f"(no output: see {suite}.stderr.txt)", ""]
         if suite == "attention" and attention:
             lines += ["### Page formats: bytes per token and attention error", "",
                       format_table(attention), ""]
