@@ -168,7 +168,10 @@ def test_map_growth_two_processes(tmp_path):
     logs = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
     procs = [spawn("local-writer", str(store_dir), str(log), str(i + 10), "0",
                    log=tmp_path / f"{i}.out") for i, log in enumerate(logs)]
-    time.sleep(5)
+    deadline = time.monotonic() + 30  # 300 saves grow the map past 1 MiB (5 doublings)
+    while (sum(len(read_log(str(log))) for log in logs) < 300 and time.monotonic() < deadline
+           and all(p.poll() is None for p in procs)):
+        time.sleep(0.2)
     died = [p.poll() for p in procs]
     for p in procs:
         kill(p)
