@@ -33,6 +33,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 import engine
 from engine import KVPolicy, PagedKVCache, make_cache
+from tools.bench.common import machine_line
 
 # Qwen3-0.6B's geometry (28 layers, hidden 1024, 16 query / 8 KV heads of 128, MLP 3072,
 # vocab 151936); "scaled" keeps the per-layer attention geometry and cuts layers and vocab
@@ -177,7 +178,7 @@ def main(argv=None) -> int:
               "layer, fewer layers, smaller vocab) so the run fits a CPU; --size 0.6b runs "
               "the full model")
     print(f"prompt {prompt_len} tokens (prefill step {args.prefill_step}), decode {decode} "
-          f"tokens, block {args.block_size} tokens, median of {args.repeats} round(s)\n")
+          f"tokens, block {args.block_size} tokens, median of {args.repeats} round(s)\n\n{machine_line()}\n")
     print(table(results, "mlx-lm KVCache"))
     return 0
 

@@ -55,6 +55,7 @@ from kvstore.format import FormatIdentity, LayerSpec
 from kvstore.ids import chain_keys, page_digest
 from kvstore.records import blocks_for_tokens
 from kvstore.store import Store
+from tools.bench.common import machine_line
 
 NAMESPACE = "bench"
 
@@ -250,6 +251,8 @@ def table(shape: Shape, times: dict[str, list[float]]) -> str:
         f"{shape.tokens} tokens in {shape.block_size_tokens}-token blocks: "
         f"{shape.layers * shape.blocks} pages, {shape.nbytes / 2**20:.0f} MiB; "
         f"{len(next(iter(times.values())))} interleaved repeats",
+        "",
+        machine_line(),
         "",
         "| case | median ms | min-max ms | GiB/s |",
         "|---|---:|---:|---:|",
