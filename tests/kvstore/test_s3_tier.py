@@ -191,6 +191,25 @@ def test_cross_namespace_lookup_through_the_bucket_finds_nothing(hosts):
     assert b.lookup_prefix(other.format_id, "tenant-a", tokens).tokens_matched == 0
 
 
+def test_checkpoint_replace_and_delete_reach_the_bucket_in_order(hosts, tier):
+    ident = make_identity()
+    a = hosts("a")
+    first, second = tokens_for(13, 8), tokens_for(14, 12)
+    save_prefix(a, ident, "team", first, checkpoint="latest")
+    save_prefix(a, ident, "team", second, checkpoint="latest")  # replaced: the last one wins
+    assert a.drain(30)
+    assert hosts("b").get_checkpoint("team", "latest").tokens == tuple(second)
+    a.delete_checkpoint("team", "latest")
+    assert a.drain(30)
+    assert bucket_keys(tier(), "checkpoints") == []
+    c = hosts("c")
+    with pytest.raises(NotFound):
+        c.get_checkpoint("team", "latest")
+    assert c.list_checkpoints("team") == []
+    with pytest.raises(NotFound):
+        a.delete_checkpoint("team", "latest")  # gone everywhere
+
+
 # -- the backlog is persistent ----------------------------------------------------------------
 def test_backlog_survives_a_restart_of_a(hosts, tier, tmp_path):
     ident = make_identity()

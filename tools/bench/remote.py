@@ -22,6 +22,8 @@ the backlog is empty). Then, repeats interleaved so drift cancels out of the rat
                  (durable), then read_pages_into preallocated buffers.
   restore from local store
                  the same on B again: everything is local now (the fast path).
+  lookup miss   a prompt nobody stored, on a fresh store: the local miss costs one
+                 round of parallel GETs of block records (404s) before "0 tokens".
   GET x1 / x4 / x8
                  the raw page objects, 1, 4 and 8 requests in flight, into memory,
                  unverified: what the bucket gives this client.
@@ -168,6 +170,17 @@ def run(shape: Shape, repeats: int, config: TierConfig, root: Path) -> dict:
             finally:
                 b.close()
                 shutil.rmtree(b_dir, ignore_errors=True)
+            # a prompt nobody stored: the local miss costs one round of parallel GETs
+            # (one per full block, all 404) before the answer "0 tokens"
+            miss = TieredStore(Store(b_dir), config)
+            try:
+                start = time.perf_counter()
+                assert miss.lookup_prefix(identity.format_id, NAMESPACE,
+                                          [t + 1 for t in tokens]).tokens_matched == 0
+                times.setdefault("lookup miss via bucket (no pages)", []).append(time.perf_counter() - start)
+            finally:
+                miss.close()
+                shutil.rmtree(b_dir, ignore_errors=True)
             for n in (1, 4, 8):
                 start = time.perf_counter()
                 assert get_all(bucket, page_keys, n) >= shape.nbytes
@@ -186,7 +199,8 @@ def table(shape: Shape, times: dict, recompute) -> str:
              f"{shape.tokens} tokens; medians of {max(len(v) for v in times.values())}",
              f"{'case':42} {'median s':>9} {'GiB/s':>7}"]
     for k, v in med.items():
-        lines.append(f"{k:42} {v:9.3f} {gib / v:7.2f}")
+        rate = f"{gib / v:7.2f}" if "miss" not in k else f"{'-':>7}"
+        lines.append(f"{k:42} {v:9.3f} {rate}")
     if recompute is not None:
         seconds, gflops = recompute
         lines.append(f"{'recompute (estimate: 8B prefill at matmul rate)':42} {seconds:9.3f} "
