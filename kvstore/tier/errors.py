@@ -27,7 +27,8 @@ class RemoteIntegrityError(IntegrityError):
     def __init__(self, key: str, detail: str):
         Exception.__init__(
             self, f"object {key} in the bucket failed its integrity check ({detail}); it was "
-            "refused and not cached. Run `kvstore gc --remote` after re-publishing it")
+            "refused and not cached. Delete the object; a host that still holds it uploads "
+            "it again when a record next depends on it (docs/distributed.md, Failures)")
         self.digest = key.rsplit("/", 1)[-1]
         self.key = key
 
