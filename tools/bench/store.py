@@ -29,6 +29,8 @@ drift in the machine's load cancels out of the ratios:
   load_prompt_cache    mlx-lm: read that file back, mx.eval every K and V.
   file write+fsync     the 512 MiB of pages written to one file and fsynced.
   file read            that file read into one preallocated buffer.
+  memory copy          the same bytes copied from memory into that buffer (numpy): the
+                       physical limit for any restore that lands its bytes in fresh memory.
 
 Targets (printed as hit or miss, never hidden): restore >= 2.5x faster than
 load_prompt_cache; the first durable save no slower than save_prompt_cache; re-save
@@ -235,6 +237,8 @@ def run(shape: Shape, repeats: int, root: Path) -> dict[str, list[float]]:
             "mlx-lm load_prompt_cache + eval": lambda: timed(load_and_eval),
             "file write + fsync": lambda: timed(plain_write),
             "file read": lambda: timed(plain_read),
+            "memory copy (physical limit)": lambda: timed(
+                lambda: np.copyto(np.frombuffer(read_buffer, dtype=np.uint8), np.frombuffer(blob, dtype=np.uint8))),
         }
         for _ in range(repeats):
             for name, case in cases.items():
@@ -277,7 +281,8 @@ def table(shape: Shape, times: dict[str, list[float]]) -> str:
     lines.append("")
     lines.append("Peers in the same run: restore (page arrays) vs file read "
                  f"{med['file read'] / med['restore -> MLX page arrays']:.2f}x; first durable save vs file "
-                 f"write + fsync {med['file write + fsync'] / med['first durable save']:.2f}x.")
+                 f"write + fsync {med['file write + fsync'] / med['first durable save']:.2f}x; restore (page arrays) vs "
+                 f"memory copy {med['memory copy (physical limit)'] / med['restore -> MLX page arrays']:.2f}x.")
     return "\n".join(lines)
 
 
