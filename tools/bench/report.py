@@ -54,17 +54,21 @@ def plot_restore(rows: list[dict], path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=80)
     formats = list(dict.fromkeys(r["format"] for r in rows))
-    for fmt in formats:
+    for i, fmt in enumerate(formats):  # one colour per format: solid restore, dashed recompute
         mine = sorted((r for r in rows if r["format"] == fmt), key=lambda r: r["prompt_tokens"])
         x = [r["prompt_tokens"] for r in mine]
-        ax.plot(x, [1e3 * r["restore_s"] for r in mine], "o-", label=f"kvstore restore ({fmt})")
-        ax.plot(x, [1e3 * r["recompute_s"] for r in mine], "x--", label=f"recompute ({fmt} cache)")
+        ax.plot(x, [1e3 * r["restore_s"] for r in mine], "o-", color=f"C{i}", label=f"kvstore restore ({fmt})")
+        ax.plot(x, [1e3 * r["recompute_s"] for r in mine], "x--", color=f"C{i}",
+                label=f"recompute ({fmt} cache)")
     first = sorted((r for r in rows if r["format"] == formats[0]), key=lambda r: r["prompt_tokens"])
     if first and "mlx_lm_load_s" in first[0]:
         ax.plot([r["prompt_tokens"] for r in first], [1e3 * r["mlx_lm_load_s"] for r in first],
                 "s-", color="black", label="mlx-lm prompt-cache file")
     ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="time to first token (ms)",
            title=f"restore vs recompute ({rows[0]['size']} model, {rows[0]['device']})")
+    ticks = sorted({r["prompt_tokens"] for r in rows})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
@@ -90,12 +94,20 @@ def plot_attention(doc: dict, path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=80)
     rows = [r for r in doc["rows"] if r["batch"] == 1]
-    for key in dict.fromkeys((r["method"], r["format"]) for r in rows):
-        mine = sorted((r for r in rows if (r["method"], r["format"]) == key), key=lambda r: r["context"])
-        style = "o-" if key[0] in ("dense", "mlx-lm") else "--" if key[0] == "reference" else ".-"
-        ax.plot([r["context"] for r in mine], [r["us"] for r in mine], style, label=" ".join(key))
+    # colour by page format, line style by method: the peers solid black/grey, the
+    # reference dotted, the direct path solid
+    colours = {"bf16": "black", "q4": "grey", "native": "C0", "k8v8": "C1", "k8v4": "C2", "k4v4": "C3"}
+    for method, fmt in dict.fromkeys((r["method"], r["format"]) for r in rows):
+        mine = sorted((r for r in rows if (r["method"], r["format"]) == (method, fmt)),
+                      key=lambda r: r["context"])
+        style = ":" if method == "reference" else "s-" if method in ("dense", "mlx-lm") else "o-"
+        ax.plot([r["context"] for r in mine], [r["us"] for r in mine], style,
+                color=colours.get(fmt), label=f"{method} {fmt}")
     ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="eval time per call (us)",
            title="decode attention, batch 1, 32 q / 8 kv heads of 128")
+    ticks = sorted({r["context"] for r in rows})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path)
