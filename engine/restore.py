@@ -11,7 +11,10 @@ is allocated:
      block records; for a model with sliding-window or recurrent layers, the longest
      checkpoint of the same format whose tokens prefix the prompt (their state is only
      valid at exactly its own length, so it is never restored partway);
-  3. pool capacity for every paged layer (PoolExhausted before any allocation);
+  3. pool capacity for every paged layer (PoolExhausted before any allocation), or,
+     with admission=, the price of the whole request (pages for the prompt plus
+     max_new_tokens, staging, workspace) against the budget: a Deferred or Refused
+     decision comes back in Restored.decision with no cache and nothing allocated;
   4. pages are read zero-copy from the LMDB map for a local Store (each verified
      against its hash on read) or fetched into buffers from a RemoteStore, and copied
      once into freshly allocated pool blocks (or stock mlx-lm caches).
@@ -53,6 +56,12 @@ class Restored:
     bytes_read: int = 0
     source: str = "none"  # "prefix" | "checkpoint" | "none"
     checkpoint: str | None = None
+    decision: object = None  # with admission: Granted, Deferred or Refused
+    grant: object = None  # with admission, when granted: close() it when done
+
+    @property
+    def admitted(self) -> bool:
+        return self.decision is None or self.decision.granted
 
     def __iter__(self):
         yield self.cache
@@ -125,9 +134,14 @@ def restore(model, tokens: Sequence[int], store, *, model_id: str,
             pools: list | None = None, cache_kind: str = "paged", max_tokens: int | None = None,
             attention_impl: str | None = "auto", quantized_group_size: int = 64,
             quantized_bits: int = 8, tokenizer_fingerprint: str = "",
-            checkpoint: str | None = None) -> Restored:
+            checkpoint: str | None = None, admission=None, max_new_tokens: int = 0,
+            request_id: str = "", deadline: float | None = None) -> Restored:
     """See the module docstring. checkpoint=NAME restores that checkpoint exactly and
-    raises IncompatibleFormat (with the diff) when it was saved under another format."""
+    raises IncompatibleFormat (with the diff) when it was saved under another format.
+
+    admission: an engine.admission.AdmissionController serving `pools` (required with
+    it); the request (len(tokens) prompt tokens, max_new_tokens, deadline) is priced,
+    restore staging included, after the identity check and before any allocation."""
     if cache_kind not in CACHE_KINDS:
         raise InvalidRequest(f"cache_kind must be one of {CACHE_KINDS}, got {cache_kind!r}")
     policy = policy or KVPolicy()
@@ -165,21 +179,49 @@ def restore(model, tokens: Sequence[int], store, *, model_id: str,
         if ckpt is not None:
             blocks = store.get_blocks(ckpt.chain_keys)
 
+    grant, decision = None, None
+    if admission is not None:
+        if cache_kind != "paged" or pools is None:
+            raise InvalidRequest("admission prices paged caches: pass the pools it serves")
+        from engine.admission import AdmissionRequest
+
+        profile = admission.profile(model, pools, model_fingerprint=identity.model_fingerprint,
+                                    attention_impl=attention_impl)
+        decision = admission.admit(profile, AdmissionRequest(
+            request_id, len(tokens), max_new_tokens, deadline, restore_blocks=len(blocks),
+            restored_tokens=sum(len(b.tokens) for b in blocks),
+            restore_remote=not hasattr(store, "get_pages")))
+        if not decision.granted:
+            return Restored(None, 0, decision=decision)
+        grant = decision.grant
     if pools is None and cache_kind == "paged":
         pools = make_pools(model, policy, model_id=model_id)
-    if not blocks and ckpt is None:
-        return Restored(_fresh(model, policy, model_id, pools, cache_kind, attention_impl,
-                               quantized_group_size, quantized_bits), 0)
-    if cache_kind == "paged":
-        _check_capacity(pools, len(blocks))
-    return _build(model, policy, model_id, identity, pools, blocks, ckpt, store, cache_kind,
-                  attention_impl, quantized_group_size, quantized_bits)
+    try:
+        if not blocks and ckpt is None:
+            result = Restored(_fresh(model, policy, model_id, pools, cache_kind, attention_impl,
+                                     quantized_group_size, quantized_bits, grant), 0)
+        else:
+            if cache_kind == "paged":
+                _check_capacity(pools, len(blocks))
+            result = _build(model, policy, model_id, identity, pools, blocks, ckpt, store,
+                            cache_kind, attention_impl, quantized_group_size, quantized_bits,
+                            grant)
+    except BaseException:
+        if grant is not None:
+            grant.close()
+        raise
+    if grant is not None:
+        grant.bind(result.cache)
+        grant.staging_done()  # _build evaluated every page into the pools
+        result.decision, result.grant = decision, grant
+    return result
 
 
-def _fresh(model, policy, model_id, pools, cache_kind, attention_impl, group_size, bits) -> list:
+def _fresh(model, policy, model_id, pools, cache_kind, attention_impl, group_size, bits,
+           grant=None) -> list:
     if cache_kind == "paged":
         return make_cache(model, policy, model_id=model_id, pools=pools,
-                          attention_impl=attention_impl)
+                          attention_impl=attention_impl, grant=grant)
     caches = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
     if cache_kind == "quantized":
         caches = [c.to_quantized(group_size, bits) if type(c) is KVCache else c for c in caches]
@@ -187,13 +229,14 @@ def _fresh(model, policy, model_id, pools, cache_kind, attention_impl, group_siz
 
 
 def _build(model, policy, model_id, identity, pools, blocks: list[BlockRecord], ckpt, store,
-           cache_kind, attention_impl, group_size, bits) -> Restored:
+           cache_kind, attention_impl, group_size, bits, grant=None) -> Restored:
     specs = page_specs(identity)
     paged = identity.paged_layers
     digests = [d for b in blocks for d in b.pages]
     attachment_names = sorted(ckpt.attachments) if ckpt is not None else []
     attachment_digests = [ckpt.attachments[n] for n in attachment_names]
-    caches = _fresh(model, policy, model_id, pools, cache_kind, attention_impl, group_size, bits)
+    caches = _fresh(model, policy, model_id, pools, cache_kind, attention_impl, group_size, bits,
+                    grant)
     nbytes = 0
     with _pages(store, digests + attachment_digests) as views:
         nbytes = sum(len(v) for v in views)
@@ -203,7 +246,10 @@ def _build(model, policy, model_id, identity, pools, blocks: list[BlockRecord], 
             spec = specs[layer]
             if cache_kind == "paged":
                 impl = default_attention_impl(pools[layer]) if attention_impl == "auto" else attention_impl
-                caches[layer] = PagedKVCache.from_pages(pools[layer], pages, attention_impl=impl)
+                if grant is None:
+                    caches[layer] = PagedKVCache.from_pages(pools[layer], pages, attention_impl=impl)
+                else:
+                    caches[layer] = grant.cache_from_pages(pools[layer], pages, attention_impl=impl)
             else:
                 planes, n_tokens = blocks_from_pages(spec, pages)  # name -> [n, H, bs, W]
                 kv = []
