@@ -158,7 +158,10 @@ def start_server(data_dir: Path | None, port: int) -> subprocess.Popen:
            "KVSTORE_LOG_LEVEL": "warning"}
     command = ([sys.executable, "-m", "tools.cli", "serve"] if data_dir is not None else
                [sys.executable, "-m", "uvicorn", "tools.bench.http:bare_app", "--port", str(port),
-                "--log-level", "warning"])
+                "--log-level", "warning",
+                # uvicorn closes an idle keep-alive connection after 5 s; under load one
+                # round of the other paths takes longer, and the reader met a closed socket
+                "--timeout-keep-alive", "600"])
     proc = subprocess.Popen(command, env=env)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
