@@ -5,7 +5,8 @@ and benchmarks of the S3 page tier (kvstore/tier). Not for production.
         cluster.endpoint, cluster.access_key, cluster.secret_key
         cluster.stop_rgw(); cluster.start_rgw()   # kill and restart the gateway
 
-    python -m tools.ceph_dev up     # start one, print its endpoint and keys, wait for ^C
+    python -m tools.ceph_dev up     # start one, print its endpoint and keys; ^C or
+                                    # SIGTERM stops every daemon
 
 Shape: one monitor, one BlueStore OSD on a sparse file, one radosgw (beast frontend),
 no manager (pools get a fixed PG count, nothing needs the autoscaler). Replicas are 1.
@@ -317,6 +318,11 @@ def main(argv=None) -> int:
     if args[:1] != ["up"]:
         print("usage: python -m tools.ceph_dev up   (starts a cluster, prints its endpoint, ^C stops it)")
         return 2
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+    # a background job starts with SIGINT ignored: catch both, so stop() always runs
+    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, interrupted)
     with CephCluster.start() as cluster:
         print(json.dumps({"endpoint": cluster.endpoint, "access_key": cluster.access_key,
                           "secret_key": cluster.secret_key, "dir": str(cluster.dir),
