@@ -80,6 +80,16 @@ def ensure_packages(log=print) -> None:
     raise PackagesUnavailable(f"apt-get could not install {PACKAGES}: {done.stderr.strip()[-600:]}")
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the parent goes (Linux prctl)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -279,10 +289,13 @@ class CephCluster:
 
     def _spawn(self, name: str, argv: list) -> None:
         log_file = open(self.dir / "log" / f"{name}.stdout", "ab")
-        # own process group: a ^C in the test runner does not hit the daemons first
+        # own process group: a ^C in the test runner does not hit the daemons first;
+        # parent-death signal: a runner killed outright (SIGKILL, a CI timeout) takes
+        # its daemons with it. (It fires when the spawning *thread* exits: spawn from a
+        # long-lived thread, as the tests and tools do from the main one.)
         self.procs[name] = subprocess.Popen([str(a) for a in argv], stdout=log_file,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True)
+                                            start_new_session=True, preexec_fn=_die_with_parent)
         log_file.close()
 
     def _http_up(self) -> bool:
