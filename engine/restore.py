@@ -58,6 +58,7 @@ class Restored:
     checkpoint: str | None = None
     decision: object = None  # with admission: Granted, Deferred or Refused
     grant: object = None  # with admission, when granted: close() it when done
+    resident_blocks: int = 0  # leading blocks shared from a ResidentIndex, not read
 
     @property
     def admitted(self) -> bool:
@@ -135,15 +136,26 @@ def restore(model, tokens: Sequence[int], store, *, model_id: str,
             attention_impl: str | None = "auto", quantized_group_size: int = 64,
             quantized_bits: int = 8, tokenizer_fingerprint: str = "",
             checkpoint: str | None = None, admission=None, max_new_tokens: int = 0,
-            request_id: str = "", deadline: float | None = None) -> Restored:
+            request_id: str = "", deadline: float | None = None,
+            resident=None) -> Restored:
     """See the module docstring. checkpoint=NAME restores that checkpoint exactly and
     raises IncompatibleFormat (with the diff) when it was saved under another format.
 
     admission: an engine.admission.AdmissionController serving `pools` (required with
     it); the request (len(tokens) prompt tokens, max_new_tokens, deadline) is priced,
-    restore staging included, after the identity check and before any allocation."""
+    restore staging included, after the identity check and before any allocation.
+
+    resident: an engine.resident.ResidentIndex over `pools` (its pools when none are
+    given). Leading blocks it holds are shared from this process's pools instead of
+    read from the store; every restored full block is listed in it afterwards."""
     if cache_kind not in CACHE_KINDS:
         raise InvalidRequest(f"cache_kind must be one of {CACHE_KINDS}, got {cache_kind!r}")
+    if resident is not None:
+        if cache_kind != "paged" or admission is not None:
+            raise InvalidRequest("resident reuse serves paged caches without admission")
+        pools = resident.pools if pools is None else pools
+        if list(pools) != resident.pools:
+            raise InvalidRequest("the resident index serves other pools than these")
     policy = policy or KVPolicy()
     identity = model_identity(model, policy, model_id=model_id,
                               tokenizer_fingerprint=tokenizer_fingerprint)
@@ -205,7 +217,10 @@ def restore(model, tokens: Sequence[int], store, *, model_id: str,
                 _check_capacity(pools, len(blocks))
             result = _build(model, policy, model_id, identity, pools, blocks, ckpt, store,
                             cache_kind, attention_impl, quantized_group_size, quantized_bits,
-                            grant)
+                            grant, resident)
+            if resident is not None:
+                restored_tokens = [t for b in blocks for t in b.tokens]
+                resident.register(identity, namespace, restored_tokens, result.cache)
     except BaseException:
         if grant is not None:
             grant.close()
@@ -229,24 +244,37 @@ def _fresh(model, policy, model_id, pools, cache_kind, attention_impl, group_siz
 
 
 def _build(model, policy, model_id, identity, pools, blocks: list[BlockRecord], ckpt, store,
-           cache_kind, attention_impl, group_size, bits, grant=None) -> Restored:
+           cache_kind, attention_impl, group_size, bits, grant=None, resident=None) -> Restored:
     specs = page_specs(identity)
     paged = identity.paged_layers
-    digests = [d for b in blocks for d in b.pages]
+    shared = 0
+    if resident is not None:
+        full = [b.key for b in blocks if len(b.tokens) == identity.block_size_tokens]
+        shared = resident.longest(full)
+    fetched = blocks[shared:]
+    digests = [d for b in fetched for d in b.pages]
     attachment_names = sorted(ckpt.attachments) if ckpt is not None else []
     attachment_digests = [ckpt.attachments[n] for n in attachment_names]
     caches = _fresh(model, policy, model_id, pools, cache_kind, attention_impl, group_size, bits,
                     grant)
+    adopted = {}
+    if shared:
+        impl = default_attention_impl(pools[paged[0]]) if attention_impl == "auto" else attention_impl
+        adopted = resident.adopt([b.key for b in blocks[:shared]], identity.block_size_tokens,
+                                 attention_impl=impl)
     nbytes = 0
     with _pages(store, digests + attachment_digests) as views:
         nbytes = sum(len(v) for v in views)
-        per_layer = {layer: [views[i * len(paged) + j] for i in range(len(blocks))]
+        per_layer = {layer: [views[i * len(paged) + j] for i in range(len(fetched))]
                      for j, layer in enumerate(paged)}
         for layer, pages in per_layer.items():
             spec = specs[layer]
             if cache_kind == "paged":
                 impl = default_attention_impl(pools[layer]) if attention_impl == "auto" else attention_impl
-                if grant is None:
+                if layer in adopted:
+                    caches[layer] = adopted[layer]
+                    adopted[layer].append_pages(pages)
+                elif grant is None:
                     caches[layer] = PagedKVCache.from_pages(pools[layer], pages, attention_impl=impl)
                 else:
                     caches[layer] = grant.cache_from_pages(pools[layer], pages, attention_impl=impl)
@@ -267,7 +295,7 @@ def _build(model, policy, model_id, identity, pools, blocks: list[BlockRecord], 
     restored = sum(len(b.tokens) for b in blocks)
     return Restored(caches, restored, len(blocks), nbytes,
                     "checkpoint" if ckpt is not None else "prefix",
-                    ckpt.name if ckpt is not None else None)
+                    ckpt.name if ckpt is not None else None, resident_blocks=shared)
 
 
 __all__ = ["Restored", "restore", "check_pools", "find_checkpoint"]

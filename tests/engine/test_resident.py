@@ -44,3 +44,36 @@ def test_adopted_blocks_are_shared_and_copy_on_write():
         assert mx.array_equal(got, want).item()
         index.clear()
         assert len(index) == 0
+
+
+def test_restore_shares_resident_blocks_and_reads_only_the_rest(tmp_path):
+    from engine.publish import publish
+    from engine.restore import restore
+    from kvstore.store import Store
+
+    model = tiny_model("llama", mx.bfloat16)
+    policy = KVPolicy(block_size_tokens=16)
+    identity = model_identity(model, policy, model_id=MODEL_ID)
+    pools = make_pools(model, policy, model_id=MODEL_ID)
+    index = ResidentIndex(pools)
+    tokens = prompt_tokens(80, seed=41).tolist()
+    with Store(tmp_path / "s") as store, installed(model):
+        cache = make_cache(model, policy, model_id=MODEL_ID, pools=pools)
+        mx.eval(model(mx.array([tokens]), cache=cache))
+        publish(store, identity, tokens, cache)
+        index.register(identity, "default", tokens[:32], cache)  # 2 of the 5 blocks resident
+        first = restore(model, tokens + [1], store, model_id=MODEL_ID, policy=policy,
+                        resident=index)
+        assert (first.tokens_restored, first.resident_blocks, first.blocks) == (80, 2, 5)
+        assert first.bytes_read == 3 * identity.block_nbytes(16)  # only the 3 blocks not resident
+        for layer, c in enumerate(first.cache):
+            assert c.block_ids[:2] == cache[layer].block_ids[:2]
+        # the restore listed every full block it built: a second restore reads nothing
+        second = restore(model, tokens + [1], store, model_id=MODEL_ID, policy=policy,
+                         resident=index)
+        assert (second.resident_blocks, second.bytes_read) == (5, 0)
+        want = model(mx.array([[1]]), cache=cache)[:, -1]
+        for restored in (first, second):
+            got = model(mx.array([[1]]), cache=restored.cache)[:, -1]
+            assert mx.array_equal(got, want).item()
+        index.clear()
