@@ -110,7 +110,9 @@ def find_checkpoint(store, identity: FormatIdentity, namespace: str, tokens: Seq
 
 @contextmanager
 def _pages(store, digests: list):
-    """Verified page buffers: zero-copy views for a local Store, fetched copies otherwise."""
+    """Verified page buffers: zero-copy views of the LMDB map for a local Store (and a
+    RemoteStore with local_dir); a RemoteStore streams pages over HTTP into buffers it
+    preallocates (readinto, no accumulated bytes)."""
     if not digests:
         yield []
         return

@@ -223,3 +223,28 @@ def test_sliding_state_is_never_restored_partway(tmp_path):
         restored = restore(model, extended, store, model_id=MODEL_ID, policy=policy)
         assert (restored.tokens_restored, restored.source, restored.checkpoint) == (40, "checkpoint", "ring")
         assert all(c.offset == 40 for c in restored.cache)
+
+
+def test_publish_and_restore_through_the_http_service(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from api.settings import Settings
+    from kvstore.client import RemoteStore
+
+    model = tiny_model("llama", mx.bfloat16)
+    policy = KVPolicy(block_size_tokens=16)
+    tokens = prompt_tokens(90, seed=50).tolist()
+    with Store(tmp_path / "s") as store:
+        app = create_app(store=store, settings=Settings(data_dir=store.path))
+        with TestClient(app) as client:
+            remote = RemoteStore("http://testserver", None, client=client)
+            identity = model_identity(model, policy, model_id=MODEL_ID)
+            publish(remote, identity, tokens, _prefilled(model, policy, tokens))
+            restored = restore(model, tokens + [3], remote, model_id=MODEL_ID, policy=policy)
+    assert restored.tokens_restored == 90
+    fresh = _prefilled(model, policy, tokens)
+    with installed(model):
+        want = model(mx.array([[3]]), cache=fresh)[:, -1]
+        got = model(mx.array([[3]]), cache=restored.cache)[:, -1]
+    assert mx.array_equal(got, want).item()
