@@ -29,7 +29,7 @@ from engine.pricing import attention_nbytes, price_request, ring_nbytes
 from engine.publish import publish
 from engine.rates import ExecutionKey, RateBook
 from engine.restore import restore
-from kernels.attention import paged_attention
+from kernels.attention import cuda_available, metal_available, paged_attention, select_impl
 from kvstore.errors import IncompatibleFormat
 from kvstore.store import Store
 from tests.engine.factories import prompt_tokens, tiny_model
@@ -133,11 +133,18 @@ WORKSPACE_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("impl", ["reference", "partitioned"])
+@pytest.mark.parametrize("impl", ["reference", "partitioned", "cuda", "metal"])
 def test_priced_attention_workspace_covers_the_measured_peak(impl):
     """MLX's peak active memory of one paged attention call, above its inputs and output,
-    never exceeds what pricing charges for it (kernels' estimate times the margin)."""
+    never exceeds what pricing charges for it (kernels' estimate times the margin), for
+    the implementation that really runs (select_impl: kernels fall back to partitioned
+    for many queries)."""
+    available = {"cuda": cuda_available, "metal": metal_available}.get(impl, lambda: True)
+    if not available():
+        pytest.skip(f"SKIPPED LOUDLY: the {impl} backend is not available on this machine, "
+                    f"so its workspace margin is not checked here")
     heads, q_heads, dim, block = 2, 4, 64, 16
+    over = []
     for name, queries, tokens in WORKSPACE_SHAPES:
         fmt = FORMATS[name]
         spec = PageSpec(fmt, heads, dim, dim, block, 64, 0 if fmt.packed else None)
@@ -152,6 +159,8 @@ def test_priced_attention_workspace_covers_the_measured_peak(impl):
                                  mx.concatenate([keys * 0.5, pad], 1))
             planes = {n: p.reshape(heads, padded // block, block, -1).transpose(1, 0, 2, 3)
                       for n, p in full.items()}
+        # row-contiguous, as a pool's own planes are (kernels/direct.py copies views)
+        planes = {n: mx.contiguous(p) for n, p in planes.items()}
         q = mx.random.normal((1, q_heads, queries, dim)).astype(mx.bfloat16)
         table = mx.arange(-(-tokens // block), dtype=mx.int32)[None]
         mx.eval(planes, q, table)
@@ -162,9 +171,15 @@ def test_priced_attention_workspace_covers_the_measured_peak(impl):
                               mask="causal" if queries > 1 else None, impl=impl)
         mx.eval(out)
         measured = mx.get_peak_memory() - before - out.nbytes
-        priced = attention_nbytes(impl, q_heads, spec, queries, tokens, 2)
-        assert measured <= priced, (name, queries, tokens, measured, priced)
+        mask = "causal" if queries > 1 else None
+        chosen = select_impl(impl, queries, mask, spec.layout, dim, dim)
+        priced = attention_nbytes(chosen, q_heads, spec, queries, tokens, 2)
+        print(f"workspace {impl}->{chosen} {name} L={queries} T={tokens}: measured "
+              f"{measured} priced {priced} ratio {measured / priced:.2f}")
+        if measured > priced:
+            over.append((chosen, name, queries, tokens, measured, priced))
         del out, planes, q
+    assert not over, over
 
 
 # -- the budget ---------------------------------------------------------------------------
