@@ -207,6 +207,10 @@ class TieredStore:
     def has_blocks(self, keys: Sequence) -> list[bool]:
         return self.local.has_blocks(keys)
 
+    def list_blocks(self, namespace: str | None = None, *, after=None, limit: int = 1000):
+        """The local store's block records (the bucket is listed by `kvstore gc --remote`)."""
+        return self.local.list_blocks(namespace, after=after, limit=limit)
+
     def evict(self, to_nbytes: int):
         return self.local.evict(to_nbytes)
 
