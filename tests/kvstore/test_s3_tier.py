@@ -509,3 +509,12 @@ def test_two_services_share_prefixes_through_the_bucket(ceph, tier, tmp_path):
     assert doc["dry_run"] and doc["deleted"] is None and doc["plan"]["checkpoints"] == 1
     assert doc["plan"]["unreferenced_pages"] == 0  # everything is pinned by the checkpoint
     assert len(bucket_keys(config, "pages")) == len({d for r in saved.records for d in r.pages})
+
+
+def test_tiered_store_has_the_store_method_set():
+    """The engine, the service and the CLI take a TieredStore wherever they take a Store."""
+    from kvstore.store import Store
+
+    public = {n for n in dir(Store) if not n.startswith("_") and callable(getattr(Store, n))}
+    missing = sorted(n for n in public - {"open"} if not hasattr(TieredStore, n))
+    assert not missing, f"TieredStore lacks {missing}"
