@@ -34,6 +34,7 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from engine.admission import AdmissionRequest
 from engine.attachments import decode_attachment
 from engine.cache import PagedKVCache
 from engine.errors import InvalidRequest, PoolExhausted
@@ -197,8 +198,6 @@ def restore(model, tokens: Sequence[int], store, *, model_id: str,
     if admission is not None:
         if cache_kind != "paged" or pools is None:
             raise InvalidRequest("admission prices paged caches: pass the pools it serves")
-        from engine.admission import AdmissionRequest
-
         profile = admission.profile(model, pools, model_fingerprint=identity.model_fingerprint,
                                     attention_impl=attention_impl)
         decision = admission.admit(profile, AdmissionRequest(
