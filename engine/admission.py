@@ -221,6 +221,7 @@ class Grant:
         self.prefilled = 0
         self.decoded = 0
         self.closed = False
+        self.storage_released = False
         self._caches: list[weakref.ref] = []
 
     def __repr__(self) -> str:
@@ -251,13 +252,24 @@ class Grant:
             raise InvalidRequest("this pool is not one the grant was priced for")
 
     def bind(self, caches) -> None:
-        """Caches whose blocks this grant pays for; close() frees them."""
+        """Caches whose blocks this grant pays for. close() frees them; once every one
+        of them was freed (AdmittedKVCache.free) or dropped, the storage is refunded."""
         for cache in caches:
             if isinstance(cache, PagedKVCache):
                 self.check_pool(cache.pool)
                 if isinstance(cache, AdmittedKVCache):
                     cache.grant = self
-                self._caches.append(weakref.ref(cache))
+                if not any(ref() is cache for ref in self._caches):
+                    self._caches.append(weakref.ref(cache, self._cache_dropped))
+
+    def _cache_dropped(self, ref) -> None:
+        self.cache_freed()
+
+    def cache_freed(self) -> None:
+        """A bound cache was freed or dropped: with none of them holding storage any
+        more, the storage goes back (blocks reserved, held bytes)."""
+        if all(getattr(c, "freed", False) for c in self.caches()):
+            self.controller._release_storage(self)
 
     def caches(self) -> list[PagedKVCache]:
         return [c for c in (ref() for ref in self._caches) if c is not None]
@@ -318,8 +330,16 @@ class AdmittedKVCache(PagedKVCache):
     def __init__(self, pool, *, grant: Grant | None = None, **kwargs):
         super().__init__(pool, **kwargs)
         self.grant = grant
+        self.freed = False
+
+    def free(self) -> None:
+        super().free()
+        self.freed = True
+        if self.grant is not None:
+            self.grant.cache_freed()
 
     def _make_writable(self, start: int, stop: int) -> None:
+        self.freed = False
         if self.grant is not None:
             size = self.spec.block_size_tokens
             needed = max(0, math.ceil(stop / size) - len(self._blocks))
@@ -537,7 +557,8 @@ class AdmissionController:
             if grant.closed:
                 return Refused(rid, price, "the grant was closed", 0)
             old = grant.price
-            delta = price.held_nbytes + price.workspace_nbytes - old.held_nbytes - old.workspace_nbytes
+            held_now = 0 if grant.storage_released else old.held_nbytes
+            delta = price.held_nbytes + price.workspace_nbytes - held_now - old.workspace_nbytes
             pending = self._pending(grant.profile, price, idle=False, grant=grant)
             pending.dynamic_nbytes = max(0, delta)
             short = (pending.dynamic_nbytes + pending.growth_nbytes + pending.transient_nbytes
@@ -551,6 +572,7 @@ class AdmissionController:
                 grant.charges[name] = self._ledger.charge(name, nbytes)
             grant.request, grant.price = longer, price
             grant.reserved_blocks = [max(a, b) for a, b in zip(grant.reserved_blocks, price.blocks, strict=True)]
+            grant.storage_released = False
             self._check_budget()
             return Granted(rid, price, grant)
 
@@ -628,11 +650,20 @@ class AdmissionController:
         for cache in caches:
             cache.free()
         with self._lock:
-            grant.reserved_blocks = [0] * len(grant.reserved_blocks)
-            self._ledger.refund(grant.charges.get("held"))
+            self._release_storage(grant)
             self._ledger.refund(grant.charges.get("staging"))
             if not grant.steps:
                 self._finish(grant)
+
+    def _release_storage(self, grant: Grant) -> None:
+        """The grant's caches are freed: its block reservation and held bytes go back
+        (once; a later write under the grant is priced again by extend)."""
+        with self._lock:
+            if grant.storage_released:
+                return
+            grant.storage_released = True
+            grant.reserved_blocks = [0] * len(grant.reserved_blocks)
+            self._ledger.refund(grant.charges.get("held"))
 
     def _finish(self, grant: Grant) -> None:
         """Closed and fenced: the workspace goes back."""

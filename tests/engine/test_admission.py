@@ -6,6 +6,7 @@ and fixed-size unless a test is about growth, so the budget binds quickly.
 
 from __future__ import annotations
 
+import gc
 import random
 
 import mlx.core as mx
@@ -342,6 +343,37 @@ def test_cancellation_mid_step_refunds_exactly_once_and_leaves_other_grants_alon
     keep.close()
     stats = controller.stats()
     assert stats["charged"] == stats["refunded"] == 6
+    assert controller.committed_nbytes == controller.arena_nbytes
+
+
+def test_storage_is_refunded_when_the_caches_are_freed_or_dropped():
+    model = tiny_model("llama", mx.bfloat16)
+    controller, pools, profile = _setup(model, num_blocks=4, warmup_samples=1,
+                                        concurrency_ceiling=4)
+    _warm(controller.rates, profile.key, 4)
+    first = controller.admit(profile, AdmissionRequest("a", 40, 8)).grant  # 3 of 4 blocks
+    assert isinstance(controller.admit(profile, AdmissionRequest("b", 40, 8)), Deferred)
+    cache = make_cache(model, NATIVE, model_id=MODEL_ID, pools=pools, grant=first)
+    with installed(model):
+        _run(model, first, cache, prompt_tokens(40).tolist(), 2)
+    held = first.price.held_nbytes
+    assert controller.stats()["charges"]["held"] == held
+    for c in cache:
+        c.free()
+    assert "held" not in controller.stats()["charges"]  # the grant is still open
+    assert not first.closed and first.reserved_blocks == [0, 0]
+    second = controller.admit(profile, AdmissionRequest("b", 40, 8))
+    assert isinstance(second, Granted)  # the freed blocks are admissible again
+    other = make_cache(model, NATIVE, model_id=MODEL_ID, pools=pools, grant=second.grant)
+    assert controller.stats()["charges"]["held"] == second.price.held_nbytes
+    del other  # dropped without free(): the finalizer gives the blocks back, then this
+    gc.collect()
+    assert "held" not in controller.stats()["charges"]
+    first.close()
+    second.grant.close()
+    controller.retire_all()
+    stats = controller.stats()
+    assert stats["charged"] == stats["refunded"]
     assert controller.committed_nbytes == controller.arena_nbytes
 
 
