@@ -13,6 +13,8 @@ Nouns:
                        raised.
   Grant                the handle of one admitted request: its blocks reserved in each
                        pool, its charges, the caches it bound, its steps in flight.
+                       Its storage is refunded once every bound cache is freed or
+                       dropped (or at close(), which frees them).
   Step                 one forward pass of a grant; its workspace is fenced by the
                        step's outputs and only released once they are evaluated.
 
