@@ -51,7 +51,7 @@ import httpx
 import zstandard
 
 from kvstore.check import CheckReport, Problem
-from kvstore.errors import DigestMismatch, InvalidInput, KVStoreError, StoreIOError
+from kvstore.errors import InvalidInput, KVStoreError, StoreIOError
 from kvstore.format import FormatIdentity
 from kvstore.ids import ChainKey, PageDigest
 from kvstore.records import BlockRecord, Checkpoint
@@ -62,7 +62,7 @@ from kvstore.store import (
     PutResult,
     Store,
     StoreStats,
-    hash_page,
+    verified_pages,
 )
 from kvstore.wire import (
     PAGE_STREAM_MEDIA_TYPE,
@@ -224,14 +224,7 @@ class RemoteStore:
         request and one durable write per batch); a failure part-way leaves earlier
         batches stored (unreferenced until committed; GC reclaims them after its
         grace period)."""
-        items = list(pages.items()) if isinstance(pages, Mapping) else list(pages)
-        checked = []
-        for claimed, data in items:
-            digest = PageDigest.coerce(claimed)
-            actual = hash_page(data)
-            if actual != digest:
-                raise DigestMismatch(digest.hex(), actual.hex())
-            checked.append((digest, data))
+        checked = verified_pages(pages)
         sizes = [memoryview(data).nbytes for _, data in checked]
         batches = [checked[a:b] for a, b in _read_batches(sizes, UPLOAD_BATCH_NBYTES)]
         if len(batches) > 1 and self._upload_streams > 1:

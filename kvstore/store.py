@@ -82,6 +82,20 @@ def hash_page(data) -> PageDigest:
     return PageDigest(blake3.blake3(data, max_threads=threads).digest())
 
 
+def verified_pages(pages: Mapping | Iterable[tuple]) -> list[tuple[PageDigest, object]]:
+    """(digest, bytes) pairs from {digest: bytes} or pairs, every digest recomputed.
+    One mismatch raises DigestMismatch before the caller writes or sends anything."""
+    items = list(pages.items()) if isinstance(pages, Mapping) else list(pages)
+    checked = []
+    for claimed, data in items:
+        digest = PageDigest.coerce(claimed)
+        actual = hash_page(data)
+        if actual != digest:
+            raise DigestMismatch(digest.hex(), actual.hex())
+        checked.append((digest, data))
+    return checked
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     map_nbytes: int = DEFAULT_MAP_NBYTES
@@ -299,14 +313,7 @@ class Store:
         """Store pages given as {digest: bytes} or (digest, bytes) pairs. Every digest is
         recomputed first; one mismatch refuses the whole call with DigestMismatch and
         nothing is written. Idempotent. Durable when it returns."""
-        items = list(pages.items()) if isinstance(pages, Mapping) else list(pages)
-        checked = []
-        for claimed, data in items:
-            digest = PageDigest.coerce(claimed)
-            actual = hash_page(data)
-            if actual != digest:
-                raise DigestMismatch(digest.hex(), actual.hex())
-            checked.append((digest, data))
+        checked = verified_pages(pages)
         new = existing = stored_total = 0
         for batch in _batches(checked, PUT_BATCH_NBYTES):
             encoded = [(d, *encode_page(data, self.config.compression, d)) for d, data in batch]
