@@ -233,6 +233,19 @@ def restore(model, tokens: Sequence[int], store, *, model_id: str,
     return result
 
 
+def kvcache_from_pages(spec, pages: list) -> KVCache:
+    """An mlx-lm KVCache holding native pages (in block order): K/V [1, H, tokens, D]."""
+    planes, n_tokens = blocks_from_pages(spec, pages)  # name -> [n, H, bs, W]
+    kv = []
+    for name in ("k", "v"):
+        p = planes[name]
+        n, heads, size, width = p.shape
+        kv.append(p.transpose(1, 0, 2, 3).reshape(1, heads, n * size, width)[:, :, :n_tokens])
+    cache = KVCache()
+    cache.state = (kv[0], kv[1], n_tokens)
+    return cache
+
+
 def _fresh(model, policy, model_id, pools, cache_kind, attention_impl, group_size, bits,
            grant=None) -> list:
     if cache_kind == "paged":
@@ -280,14 +293,7 @@ def _build(model, policy, model_id, identity, pools, blocks: list[BlockRecord], 
                 else:
                     caches[layer] = grant.cache_from_pages(pools[layer], pages, attention_impl=impl)
             else:
-                planes, n_tokens = blocks_from_pages(spec, pages)  # name -> [n, H, bs, W]
-                kv = []
-                for name in ("k", "v"):
-                    p = planes[name]
-                    n, heads, size, width = p.shape
-                    kv.append(p.transpose(1, 0, 2, 3).reshape(1, heads, n * size, width)[:, :, :n_tokens])
-                stock = KVCache()
-                stock.state = (kv[0], kv[1], n_tokens)
+                stock = kvcache_from_pages(spec, pages)
                 caches[layer] = stock.to_quantized(group_size, bits) if cache_kind == "quantized" else stock
         for name, view in zip(attachment_names, views[len(digests):]):
             index = int(name.split(".", 1)[1])
@@ -299,4 +305,4 @@ def _build(model, policy, model_id, identity, pools, blocks: list[BlockRecord], 
                     ckpt.name if ckpt is not None else None, resident_blocks=shared)
 
 
-__all__ = ["Restored", "restore", "check_pools", "find_checkpoint"]
+__all__ = ["Restored", "restore", "check_pools", "find_checkpoint", "kvcache_from_pages"]

@@ -305,10 +305,11 @@ def import_export(store, pf: PortableFile, *, name: Optional[str] = None,
 def export_mlx_lm(store, ckpt: Checkpoint, path: Path, progress: Progress = None) -> dict:
     """Write a file mlx_lm.models.cache.load_prompt_cache reads (native formats only)."""
     import mlx.core as mx
-    from mlx_lm.models.cache import KVCache, save_prompt_cache
+    from mlx_lm.models.cache import save_prompt_cache
 
     from engine.attachments import decode_attachment
-    from engine.formats import blocks_from_pages, page_specs
+    from engine.formats import page_specs
+    from engine.restore import kvcache_from_pages
 
     identity = store.get_format(ckpt.format_id)
     packed = sorted({identity.layers[i].page_format for i in identity.paged_layers
@@ -334,15 +335,7 @@ def export_mlx_lm(store, ckpt: Checkpoint, path: Path, progress: Progress = None
     with store.get_pages(digests + [by_layer[i] for i in attachment_layers]) as views:
         for j, layer in enumerate(paged):
             pages = [views[i * len(paged) + j] for i in range(len(records))]
-            planes, n_tokens = blocks_from_pages(specs[layer], pages)  # name -> [n, H, bs, W]
-            kv = []
-            for plane in ("k", "v"):
-                p = planes[plane]
-                n, heads, size, width = p.shape
-                kv.append(p.transpose(1, 0, 2, 3).reshape(1, heads, n * size, width)[:, :, :n_tokens])
-            cache = KVCache()
-            cache.state = (kv[0], kv[1], n_tokens)
-            caches[layer] = cache
+            caches[layer] = kvcache_from_pages(specs[layer], pages)
             if progress:
                 progress(sum(len(v) for v in pages))
         for k, layer in enumerate(attachment_layers):
