@@ -246,6 +246,29 @@ def _build_plan(
     )
 
 
+def run_split_merge(plan: LaunchPlan, split_kernel, merge_kernel) -> mx.array:
+    """The launch both backends share: split-K partials (output [.., head_dim] and the
+    running max/sum [.., 2], float32), then the merge into [B, Hq, L, Dv]. The kernels
+    are the backend's own (mx.fast.cuda_kernel or mx.fast.metal_kernel objects)."""
+    part_o, part_ml = split_kernel(
+        inputs=plan.split_inputs,
+        template=plan.split_template,
+        grid=(plan.num_splits * plan.threads, plan.grid_y, plan.batch),
+        threadgroup=(plan.threads, 1, 1),
+        output_shapes=[plan.partial_shape + (plan.head_dim,), plan.partial_shape + (2,)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    (result,) = merge_kernel(
+        inputs=[part_o, part_ml, plan.sinks, plan.meta],
+        template=plan.merge_template,
+        grid=(plan.partial_shape[0] * plan.head_dim, 1, 1),
+        threadgroup=(plan.head_dim, 1, 1),
+        output_shapes=[plan.output_shape],
+        output_dtypes=[plan.output_dtype],
+    )
+    return result
+
+
 def direct_attention(
     backend: str,
     queries: mx.array,

@@ -254,20 +254,4 @@ def _merge_kernel():
 
 def launch(plan: direct.LaunchPlan) -> mx.array:
     """Run the split and merge kernels of one planned call; returns [B, Hq, L, Dv]."""
-    part_o, part_ml = _split_kernel(plan.packed)(
-        inputs=plan.split_inputs,
-        template=plan.split_template,
-        grid=(plan.num_splits * plan.threads, plan.grid_y, plan.batch),
-        threadgroup=(plan.threads, 1, 1),
-        output_shapes=[plan.partial_shape + (plan.head_dim,), plan.partial_shape + (2,)],
-        output_dtypes=[mx.float32, mx.float32],
-    )
-    (result,) = _merge_kernel()(
-        inputs=[part_o, part_ml, plan.sinks, plan.meta],
-        template=plan.merge_template,
-        grid=(plan.partial_shape[0] * plan.head_dim, 1, 1),
-        threadgroup=(plan.head_dim, 1, 1),
-        output_shapes=[plan.output_shape],
-        output_dtypes=[plan.output_dtype],
-    )
-    return result
+    return direct.run_split_merge(plan, _split_kernel(plan.packed), _merge_kernel())
