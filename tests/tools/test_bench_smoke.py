@@ -97,3 +97,17 @@ def test_bench_quick_writes_every_table_and_plot(tmp_path):
     rows = markdown_tables(summary)[0][1:]
     assert {r[0] for r in rows} >= {"dense bf16", "mlx-lm q4"}
     assert len(rows) == 4  # dense, mlx-lm q4, direct native, direct k4v4
+
+
+def test_ttft_quick_covers_every_format_and_restores_what_the_first_recompute_published(tmp_path):
+    """--quick without --formats runs all four page formats (the full default runs only the
+    two ends, for the CPU budget). No separate prefill fills the store: the first timed
+    recompute's cache is published, and the suite itself asserts that every restore gives
+    the recompute's first token and restores all but the last prompt token."""
+    from tools.bench import ttft
+
+    out = tmp_path / "ttft.json"
+    assert ttft.main(["--quick", "--prompts", "300", "--repeats", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["format"] for r in rows] == ["native", "k8v8", "k8v4", "k4v4"]
+    assert all(r["prompt_tokens"] == 300 and r["restored_bytes"] > 0 for r in rows)

@@ -1,8 +1,8 @@
 """Time to first token: restore from the store against full recompute, per page format.
 
 Usage:
-  python -m tools.bench.ttft                    # CPU-scaled 1B-shaped model, 512/2K/8K prompts
-  python -m tools.bench.ttft --quick            # toy model, 256/512 prompts (seconds)
+  python -m tools.bench.ttft                    # CPU-scaled model, 512/2K/8K prompts, native + k4v4
+  python -m tools.bench.ttft --quick            # toy model, 256/512 prompts, all four formats (seconds)
   python -m tools.bench.ttft --size 1b          # Llama-3.2-1B geometry (for a GPU)
   python -m tools.bench.ttft --json out.json
 
@@ -10,18 +10,28 @@ For each prompt length and page format, in one run, interleaved:
   recompute  a fresh paged cache prefills the whole prompt (chunks of 2048, as
              mlx-lm's generate_step does), then the first token is sampled;
   restore    restore() the prompt's stored prefix (all but the last token) from an
-             embedded Store published beforehand (untimed), prefill the last token,
-             sample the first token.
+             embedded Store, prefill the last token, sample the first token. The
+             prefix is published (untimed) from the first recompute's cache, after its
+             clock stops, so no prefill runs only to fill the store;
   mlx-lm file  the peer: load_prompt_cache of a .safetensors file holding mlx-lm
              KVCache objects for the same prefix (saved beforehand, untimed; bf16, so
              the same file serves every page format), prefill the last token, sample.
 All end with mx.eval of the first token. Medians over --repeats.
 
-Sizes: "1b" is Llama-3.2-1B's geometry (16 layers, hidden 2048, 32 query / 8 KV heads of
-64, MLP 8192, vocab 128256). On this project's 2-core CPU machines with MLX's reference
-BLAS (2-4 GFLOP/s) one 8K prefill of that model takes hours, so the default CPU size,
-"cpu", keeps its KV geometry (8 KV heads of 64 per layer) and cuts depth and width to
-about 12M parameters; the printed table says which size ran.
+Full defaults, and why: "1b" is Llama-3.2-1B's geometry (16 layers, hidden 2048, 32
+query / 8 KV heads of 64, MLP 8192, vocab 128256). On this project's 2-core CPU machines
+MLX's CPU matmul runs at 4-6 GFLOP/s, so one 8K prefill of that model takes hours, and
+even a 4-layer 12.6M-parameter model took 100 s (idle) to 200 s (loaded) per 8K prefill:
+at four formats and 3 repeats the suite alone ran past an hour. The default CPU size,
+"cpu", keeps the 1B's KV geometry per layer (8 KV heads of 64) with 2 layers, hidden
+512, MLP 1024, vocab 4096 (7.3M parameters), and the default formats are the two ends,
+native and k4v4 (the engine and attention suites cover k8v8 and k8v4). Recompute work
+and restored bytes both scale linearly with the layer count, so the speedups are those
+of a deeper model of the same width. That keeps `kvstore bench` near 40 minutes on 2
+cores. On a bigger machine, run the full set:
+  python -m tools.bench.ttft --size 1b --formats native k8v8 k8v4 k4v4
+  (or: kvstore bench --suite-args "ttft=--size 1b --formats native k8v8 k8v4 k4v4")
+The printed table says which size ran.
 """
 
 from __future__ import annotations
@@ -49,12 +59,15 @@ from tools.bench.common import machine_line
 SIZES = {
     "1b": dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=32,
                num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256),
-    "cpu": dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8,
+    # "cpu": the 1B's KV geometry per layer, 2 layers (see the module docstring)
+    "cpu": dict(num_hidden_layers=2, hidden_size=512, num_attention_heads=8,
                 num_key_value_heads=8, head_dim=64, intermediate_size=1024, vocab_size=4096),
     "quick": dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4,
                   num_key_value_heads=4, head_dim=64, intermediate_size=512, vocab_size=1024),
 }
 PREFILL_STEP = 2048
+ALL_FORMATS = ("native", "k8v8", "k8v4", "k4v4")
+FULL_FORMATS = ("native", "k4v4")  # the two ends; the CPU budget (module docstring)
 MODEL_ID = "bench/ttft"
 
 
@@ -91,23 +104,24 @@ def run(size: str, prompts: list[int], formats: list[str], repeats: int, block_s
             for length in prompts:
                 tokens = mx.random.randint(0, vocab, (length,), key=mx.random.key(length)).tolist()
                 pools = make_pools(model, policy, model_id=MODEL_ID)
-                cache = make_cache(model, policy, model_id=MODEL_ID, pools=pools)
-                want = first_token(model, tokens, cache)
-                publish(store, identity, tokens[:-1], cache)
-                for c in cache:
-                    c.free()
-                if length not in prompt_files:
+                if length not in prompt_files:  # the peer's file, once per length (untimed)
                     kv_caches = [KVCache() for _ in model.layers]
                     first_token(model, tokens, kv_caches)  # fills all but the last token
                     prompt_files[length] = f"{tmp}/prompt-{length}.safetensors"
                     save_prompt_cache(prompt_files[length], kv_caches)
                     del kv_caches
                 recompute, restored, loaded = [], [], []
+                want = None
                 for _ in range(repeats):
                     t0 = time.perf_counter()
                     cache = make_cache(model, policy, model_id=MODEL_ID, pools=pools)
                     got = first_token(model, tokens, cache)
                     recompute.append(time.perf_counter() - t0)
+                    if want is None:
+                        # the first recompute fills the store (after its clock stopped):
+                        # a separate prefill for it would cost one more 8K prefill per case
+                        want = got
+                        publish(store, identity, tokens[:-1], cache)
                     assert got == want
                     for c in cache:
                         c.free()
@@ -159,19 +173,32 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--size", choices=sorted(SIZES))
-    parser.add_argument("--prompts", type=int, nargs="+")
-    parser.add_argument("--formats", nargs="+", default=["native", "k8v8", "k8v4", "k4v4"])
-    parser.add_argument("--repeats", type=int)
-    parser.add_argument("--block-size", type=int, default=256)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="Full defaults are scaled for a 2-core CPU, so that `kvstore bench` finishes in "
+               "about 40 minutes: a 2-layer model and the two end formats (native, k4v4). With "
+               "4 layers and all four formats this suite alone ran past an hour there (8K "
+               "prefills at 4-6 GFLOP/s). On a bigger machine: python -m tools.bench.ttft "
+               "--size 1b --formats native k8v8 k8v4 k4v4")
+    parser.add_argument("--quick", action="store_true",
+                        help="toy model, 256/512-token prompts, all four formats, 2 repeats")
+    parser.add_argument("--size", choices=sorted(SIZES),
+                        help="model: cpu (default: 2 layers, 7.3M parameters), quick (--quick), "
+                             "1b (Llama-3.2-1B geometry, for a GPU)")
+    parser.add_argument("--prompts", type=int, nargs="+",
+                        help="prompt lengths in tokens (default 512 2048 8192; --quick 256 512)")
+    parser.add_argument("--formats", nargs="+", choices=ALL_FORMATS,
+                        help=f"page formats (default {' '.join(FULL_FORMATS)}; --quick "
+                             f"{' '.join(ALL_FORMATS)})")
+    parser.add_argument("--repeats", type=int, help="interleaved repeats, medians (default 3; --quick 2)")
+    parser.add_argument("--block-size", type=int, default=256, help="tokens per block (default 256)")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args(argv)
     size = args.size or ("quick" if args.quick else "cpu")
     prompts = args.prompts or ([256, 512] if args.quick else [512, 2048, 8192])
     repeats = args.repeats or (2 if args.quick else 3)
-    rows = run(size, prompts, args.formats, repeats, args.block_size)
+    formats = args.formats or list(ALL_FORMATS if args.quick else FULL_FORMATS)
+    rows = run(size, prompts, formats, repeats, args.block_size)
     params = rows[0]["params"] if rows else 0
     print(f"## Time to first token: store hit vs recompute\n\nmodel: llama-shaped `{size}` "
           f"({params / 1e6:.1f}M parameters, bf16), device {mx.default_device()}, block "
