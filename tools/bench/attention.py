@@ -209,12 +209,17 @@ def print_table(rows, copy_bps):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="On a CPU the contexts are scaled down from the GPU's 4K/32K/128K to 4K/16K/32K "
+               "at batch 1 (about 3-5 minutes on 2 cores); on a bigger machine: "
+               "--contexts 4096,32768,131072 --batches 1,8")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
-    parser.add_argument("--contexts", help="comma-separated context lengths")
-    parser.add_argument("--batches", help="comma-separated batch sizes")
-    parser.add_argument("--formats", default=",".join(FORMATS))
-    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--contexts", help="comma-separated context lengths (GPU 4096,32768,131072; "
+                                           "CPU 4096,16384,32768; --quick on a CPU 1024,2048,4096)")
+    parser.add_argument("--batches", help="comma-separated batch sizes (GPU 1,8; CPU and --quick 1)")
+    parser.add_argument("--formats", default=",".join(FORMATS), help="page formats (all four)")
+    parser.add_argument("--repeats", type=int, help="timed samples per case (GPU 11, CPU 5, --quick 3)")
     parser.add_argument("--inner", type=int)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--partition-tokens", type=int, default=1024)

@@ -205,10 +205,13 @@ def report(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 layer instead of 4")
-    parser.add_argument("--checkpoints", type=int, default=50)
-    parser.add_argument("--system-tokens", type=int, default=2048)
-    parser.add_argument("--suffix-tokens", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=None, help="4 (1 with --quick)")
+    parser.add_argument("--checkpoints", type=int, default=50, help="checkpoints saved (50)")
+    parser.add_argument("--system-tokens", type=int, default=2048, help="shared system prompt (2048)")
+    parser.add_argument("--suffix-tokens", type=int, default=256, help="per-checkpoint suffix (256)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="layers instead of the 8B's 32: 4 (1 with --quick); bytes and write "
+                             "times scale linearly, so the ratios hold; --layers 32 writes about "
+                             "30 GiB over the three arms")
     parser.add_argument("--dir", type=Path, default=None, help="where the files go (a temp dir)")
     parser.add_argument("--json", help="also write the result to this file")
     args = parser.parse_args(argv)

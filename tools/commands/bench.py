@@ -67,6 +67,8 @@ def bench(
 
     Suites: store (save and restore), http (HTTP vs fast path vs embedded), ttft (restore vs recompute vs mlx-lm files), engine (bytes per token per page format), attention (decode time and error per format), dedup (checkpoints sharing a system prompt). Each runs in its own process; a suite that fails is reported (its stderr kept in OUT/<suite>.stderr.txt) and the exit code is 1.
 
+    Full sizes are scaled for a 2-core CPU, where the whole run takes about 40 minutes (--quick: under 3); each suite's --help says what it scaled down and the command for a bigger machine, e.g. --suite-args "ttft=--size 1b --formats native k8v8 k8v4 k4v4".
+
     Example:
 
         kvstore bench --quick --out bench-results --suite store --suite ttft
