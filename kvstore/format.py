@@ -17,6 +17,11 @@ Page byte layout per layer (docs/format.md has the full spec):
   kXvY:     K codes, K scales, K offsets, V codes, V scales, V offsets, each
             [kv_heads, tokens, width] C order; codes u8 (4-bit: two per byte, low
             nibble first), scales and offsets float32 per group of group_size.
+  mlx-qB:   mlx's affine quantization as mlx-lm's QuantizedKVCache holds it
+            (mlx.core.quantize): K codes, K scales, K biases, V codes, V scales,
+            V biases, each [kv_heads, tokens, width] C order; codes B bits each,
+            packed LSB first into u32le words (head_dim * B / 32 words per row),
+            scales and biases in scale_dtype (the model's dtype) per group.
 """
 
 from __future__ import annotations
@@ -35,8 +40,13 @@ FORMAT_DOMAIN_TAG = b"mlx-kvstore/format/v1\x00"
 LAYER_KINDS = ("full", "sliding", "state")
 NATIVE_FORMATS = {"native-bf16": 2, "native-f16": 2, "native-f32": 4}
 PACKED_FORMATS = {"k8v8": (8, 8), "k8v4": (8, 4), "k4v4": (4, 4)}
-PAGE_FORMATS = tuple(NATIVE_FORMATS) + tuple(PACKED_FORMATS) + ("none",)
-SCALE_NBYTES = {"float32": 4}
+# mlx.core.quantize's affine widths; K and V share one width, as in a QuantizedKVCache.
+MLX_AFFINE_FORMATS = {f"mlx-q{bits}": bits for bits in (2, 3, 4, 5, 6, 8)}
+PAGE_FORMATS = tuple(NATIVE_FORMATS) + tuple(PACKED_FORMATS) + tuple(MLX_AFFINE_FORMATS) + ("none",)
+SCALE_NBYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PACKED_SCALE_DTYPES = ("float32",)  # kXvY: always FP32
+MLX_SCALE_DTYPES = ("bfloat16", "float16", "float32")  # mlx-qB: the model's dtype
+CODE_WORD_BITS = 32  # mlx-qB codes are packed into u32 words
 MAX_LAYERS = 1024
 MAX_FIELD_CHARS = 256
 
@@ -69,11 +79,18 @@ class LayerSpec:
                      f"layer field {name} must be an integer in [0, 2^20), got {value!r}")
         _require(isinstance(self.rotation, str) and len(self.rotation) <= MAX_FIELD_CHARS,
                  "rotation must be a short string")
-        if self.page_format in PACKED_FORMATS:
-            _require(self.group_size > 0, "packed formats need group_size > 0")
-            _require(self.scale_dtype in SCALE_NBYTES, f"scale dtype {self.scale_dtype!r} not in {tuple(SCALE_NBYTES)}")
+        if self.page_format in PACKED_FORMATS or self.page_format in MLX_AFFINE_FORMATS:
+            allowed = PACKED_SCALE_DTYPES if self.page_format in PACKED_FORMATS else MLX_SCALE_DTYPES
+            _require(self.group_size > 0, "quantized formats need group_size > 0")
+            _require(self.scale_dtype in allowed,
+                     f"{self.page_format} scale dtype {self.scale_dtype!r} not in {allowed}")
             for dim in (self.k_head_dim, self.v_head_dim):
                 _require(dim % self.group_size == 0, f"head dim {dim} is not a multiple of group size {self.group_size}")
+        if self.page_format in MLX_AFFINE_FORMATS:
+            bits = MLX_AFFINE_FORMATS[self.page_format]
+            for dim in (self.k_head_dim, self.v_head_dim):
+                _require(dim * bits % CODE_WORD_BITS == 0,
+                         f"{self.page_format}: head dim {dim} does not pack into whole 32-bit words")
 
     @property
     def paged(self) -> bool:
@@ -90,6 +107,11 @@ class LayerSpec:
             per_token = (self.k_head_dim * kb // 8 + self.v_head_dim * vb // 8
                          + 2 * scale * (self.k_head_dim + self.v_head_dim) // self.group_size)
             return heads * tokens * per_token
+        if self.page_format in MLX_AFFINE_FORMATS:
+            bits = MLX_AFFINE_FORMATS[self.page_format]
+            scale = SCALE_NBYTES[self.scale_dtype]
+            dims = self.k_head_dim + self.v_head_dim
+            return heads * tokens * (dims * bits // 8 + 2 * scale * dims // self.group_size)
         return 0
 
 

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from kvstore.errors import InvalidInput
 from kvstore.format import (
     FORMAT_DOMAIN_TAG,
+    MLX_AFFINE_FORMATS,
+    MLX_SCALE_DTYPES,
     PACKED_FORMATS,
     PAGE_FORMATS,
     FormatIdentity,
@@ -67,6 +69,11 @@ def layer_specs(draw):
         return LayerSpec(kind, draw(st.integers(1, 16)), k_dim, v_dim, page_format, group, "float32",
                          draw(st.sampled_from(["none", "signed-hadamard:1", "signed-hadamard:99"])),
                          draw(st.integers(0, 4096)))
+    if page_format in MLX_AFFINE_FORMATS:
+        group = draw(st.sampled_from([32, 64, 128]))
+        k_dim, v_dim = group * draw(st.integers(1, 4)), group * draw(st.integers(1, 4))
+        return LayerSpec(kind, draw(st.integers(1, 16)), k_dim, v_dim, page_format, group,
+                         draw(st.sampled_from(MLX_SCALE_DTYPES)), "none", draw(st.integers(0, 4096)))
     return LayerSpec(kind, draw(st.integers(0, 64)), draw(st.integers(0, 256)), draw(st.integers(0, 256)),
                      page_format, 0, "", "none", draw(st.integers(0, 4096)))
 
@@ -243,6 +250,12 @@ GOLDEN_HEADER_RAW = (  # encode_page(bytes(range(256)), Compression(enabled=Fals
 GOLDEN_HEADER_STORED = (  # the same with the page's digest, as the store writes it
     "4b5650310000000000000000000001000000000000000100f1f8a93f50849ac39408a4433b952d714a495ba42461748e"
 )
+# docs/format.md section 7: an mlx-q4 page (1 KV head, 1 token, head dims 32, groups of 32,
+# bfloat16 scales). K codes j % 16, scale 1, bias -8; V codes 15 - j % 16, scale 0.5, bias 0.25.
+GOLDEN_MLX_Q4_PAGE = (
+    "1032547698badcfe1032547698badcfe803f00c1efcdab8967452301efcdab8967452301003f803e"
+)
+GOLDEN_MLX_Q4_DIGEST = "1c7bedbc83e933a82d185d4b2fcf687e964ed32831e9f074eda702b5ca804259"
 
 
 def golden_identity() -> FormatIdentity:
@@ -298,10 +311,54 @@ def test_golden_block_record():
     assert record.key.hex() == GOLDEN_CHAIN_1
 
 
+def spec_mlx_codes(codes: list[int], bits: int) -> bytes:
+    """docs/format.md's mlx-qB code packing, written out: code j of a row occupies bits
+    j*B .. j*B+B-1 of the row's bit stream, bit i of the stream being bit i % 8 of byte
+    i // 8 (the row's u32 words little-endian, least significant bit first)."""
+    stream = 0
+    for j, code in enumerate(codes):
+        assert 0 <= code < 2**bits
+        stream |= code << (j * bits)
+    return stream.to_bytes(len(codes) * bits // 8, "little")
+
+
+def test_golden_mlx_q4_page():
+    layer = LayerSpec("full", 1, 32, 32, "mlx-q4", 32, "bfloat16")
+    bf16 = {1.0: "803f", -8.0: "00c1", 0.5: "003f", 0.25: "803e"}  # u16le bit patterns
+    page = (spec_mlx_codes([j % 16 for j in range(32)], 4) + bytes.fromhex(bf16[1.0] + bf16[-8.0])
+            + spec_mlx_codes([15 - j % 16 for j in range(32)], 4)
+            + bytes.fromhex(bf16[0.5] + bf16[0.25]))
+    assert page.hex() == GOLDEN_MLX_Q4_PAGE
+    assert layer.page_nbytes(1) == len(page) == 40
+    assert page_digest(page).hex() == GOLDEN_MLX_Q4_DIGEST
+
+
+@pytest.mark.parametrize("page_format,bits", sorted(MLX_AFFINE_FORMATS.items()))
+@pytest.mark.parametrize("scale_dtype,scale_nbytes", [("bfloat16", 2), ("float16", 2), ("float32", 4)])
+def test_mlx_affine_page_nbytes(page_format, bits, scale_dtype, scale_nbytes):
+    layer = LayerSpec("full", 3, 128, 64, page_format, 32, scale_dtype)
+    # per token and head: codes (128 + 64) * bits / 8 bytes, one scale and one bias per 32
+    assert layer.page_nbytes(5) == 3 * 5 * ((128 + 64) * bits // 8 + 2 * scale_nbytes * (4 + 2))
+
+
+@pytest.mark.parametrize("fields", [
+    dict(page_format="mlx-q4", group_size=32, scale_dtype=""),          # scales need a dtype
+    dict(page_format="mlx-q4", group_size=0, scale_dtype="bfloat16"),   # and groups
+    dict(page_format="mlx-q4", group_size=24, scale_dtype="bfloat16"),  # that divide head dims
+    dict(page_format="mlx-q8", group_size=32, scale_dtype="int8"),
+    dict(page_format="k8v4", group_size=32, scale_dtype="bfloat16"),    # kXvY scales are FP32
+    # 3-bit codes of a 16-wide head are 48 bits: not whole 32-bit words
+    dict(page_format="mlx-q3", group_size=16, scale_dtype="float16", k_head_dim=16, v_head_dim=16),
+])
+def test_malformed_quantized_layers_are_refused(fields):
+    with pytest.raises(InvalidInput):
+        LayerSpec(**{"kind": "full", "kv_heads": 2, "k_head_dim": 64, "v_head_dim": 64, **fields})
+
+
 def test_format_doc_lists_the_same_golden_vectors():
     text = FORMAT_DOC.read_text()
     for value in (GOLDEN_PAGE_EMPTY, GOLDEN_PAGE_RANGE256, GOLDEN_CHAIN_1, GOLDEN_CHAIN_2,
                   GOLDEN_CHAIN_3, GOLDEN_FORMAT_ID, GOLDEN_HEADER_RAW, GOLDEN_HEADER_STORED,
-                  GOLDEN_BLOCK_RECORD):
+                  GOLDEN_BLOCK_RECORD, GOLDEN_MLX_Q4_PAGE, GOLDEN_MLX_Q4_DIGEST):
         assert value in text, f"docs/format.md lacks golden vector {value}"
     assert GOLDEN_FORMAT_JSON in re.sub(r"\s*\n\s*", "", text) or GOLDEN_FORMAT_JSON in text

@@ -126,3 +126,22 @@ def test_store_with_a_newer_schema_is_refused(tmp_path):
                                                   db=dbs["meta"]))
     with pytest.raises(UnsupportedVersion):
         Store(tmp_path)
+
+
+def test_mlx_affine_layers_diff_on_bits_group_size_and_scale_dtype():
+    """Each of what an mlx-qB page's bytes depend on is part of the identity."""
+    q4 = make_layer(page_format="mlx-q4", k_head_dim=64, v_head_dim=64, group_size=32,
+                    scale_dtype="bfloat16")
+    base = replace(BASE, layers=(q4,) + BASE.layers[1:])
+    others = {
+        "layers[0].page_format": replace(q4, page_format="mlx-q8"),
+        "layers[0].group_size": replace(q4, group_size=64),
+        "layers[0].scale_dtype": replace(q4, scale_dtype="float16"),
+    }
+    ids = {base.format_id}
+    for path, layer in others.items():
+        other = replace(base, layers=(layer,) + base.layers[1:])
+        assert [p for p, _, _ in diff(base, other)] == [path]
+        ids.add(other.format_id)
+    assert len(ids) == 1 + len(others)
+    assert base.layers[0].page_nbytes(4) == 2 * 4 * (128 * 4 // 8 + 2 * 2 * 128 // 32)
