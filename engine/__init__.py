@@ -1,8 +1,10 @@
 """engine: the paged KV engine on MLX.
 
 Nouns:
-  PageFormat     one named page layout (native-*, k8v8, k8v4, k4v4); engine/formats.py
-                 is the registry and knows each format's planes, bytes and codecs.
+  PageFormat     one named page layout (native-*, k8v8, k8v4, k4v4, and mlx-qB: mlx-lm's
+                 QuantizedKVCache layout, published and restored but not paged);
+                 engine/formats.py is the registry and knows each format's planes,
+                 bytes and codecs.
   PageSpec       a page format bound to one layer's geometry, block size, group size and
                  key rotation; it maps to a kernels PageLayout and a kvstore LayerSpec.
   KVPolicy       which page format a model uses, with exact-model-id overrides.

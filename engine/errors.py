@@ -7,7 +7,10 @@
     │   ├── UnsupportedModel          a model type or geometry the engine has no rules for
     │   ├── UnsupportedBatch          a paged cache was given a batch other than 1
     │   └── FormatMismatch            keys, values or page bytes that do not fit the
-    │                                 cache's page format (dtype, heads, head dim, length)
+    │       │                         cache's page format (dtype, heads, head dim, length)
+    │       └── UnpagedFormat         a page format the paged engine (pools, PagedKVCache,
+    │                                 kernels) does not serve: mlx-qB pages live in
+    │                                 mlx-lm's QuantizedKVCache only
     ├── PoolExhausted                 no free block and the pool may not grow; raised
     │                                 before any block or table was changed
     ├── SnapshotReleased              a page snapshot was read after release()
@@ -51,6 +54,10 @@ class UnsupportedBatch(InvalidRequest):
 
 class FormatMismatch(InvalidRequest):
     code = "format_mismatch"
+
+
+class UnpagedFormat(FormatMismatch):
+    code = "unpaged_format"
 
 
 class PoolExhausted(EngineError):

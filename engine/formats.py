@@ -6,6 +6,13 @@ Formats (kvstore/format.py names them the same way):
   k8v8, k8v4, k4v4                      token-local affine groups of `group_size` along
                                         head_dim, FP32 scale and offset per group;
                                         keys optionally in a signed Hadamard basis.
+  mlx-q2 .. mlx-q8                      mlx's own affine quantization, exactly as
+                                        mlx.core.quantize writes it and mlx-lm's
+                                        QuantizedKVCache holds it: u32-packed codes,
+                                        scale and bias per group in the model's dtype.
+                                        Published from and restored into a
+                                        QuantizedKVCache only: the paged engine (pools,
+                                        PagedKVCache, kernels) does not serve them.
 
 A PageSpec is one layer's page format bound to its geometry and block size: it gives the
 kernels' PageLayout, the planes a pool arena holds, kvstore's LayerSpec, and the page
@@ -14,29 +21,36 @@ is the planes' bytes concatenated in plane order, each [kv_heads, tokens, width]
 order, little-endian:
   native:  k, v
   packed:  k_codes, k_scales, k_offsets, v_codes, v_scales, v_offsets
+  mlx-qB:  k_codes, k_scales, k_biases, v_codes, v_scales, v_biases
 which is exactly LayerSpec.page_nbytes in kvstore/format.py.
 
-Values are quantized in one place, encode_tokens, called once when K/V are written.
+Values are quantized in one place, encode_tokens, called once when K/V are written
+(mlx-qB values were quantized by mlx-lm's QuantizedKVCache and are taken as they are).
 Nothing here re-quantizes a stored page.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 import mlx.core as mx
 import numpy as np
 
-from engine.errors import FormatMismatch, UnknownPageFormat, UnsupportedModel
+from engine.errors import FormatMismatch, UnknownPageFormat, UnpagedFormat, UnsupportedModel
 from engine.geometry import LayerGeometry, layer_geometry, model_fingerprint
 from kernels.hadamard import is_power_of_two, rotate, unrotate
 from kernels.layout import PageLayout
 from kernels.quant import dequantize, quantize
-from kvstore.format import FormatIdentity, LayerSpec
+from kvstore.format import MLX_AFFINE_FORMATS, FormatIdentity, LayerSpec
 
 ROTATION_SCHEME = "signed-hadamard"
 SCALE_DTYPE = "float32"
+MLX_PLANES = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases")
+MLX_GROUP_SIZES = (32, 64, 128)  # what mlx.core.quantize accepts
+# Scale dtypes of mlx-qB pages, by their name in a format identity.
+DTYPE_BY_NAME = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+NAME_BY_DTYPE = {dtype: name for name, dtype in DTYPE_BY_NAME.items()}
 
 
 @dataclass(frozen=True)
@@ -44,11 +58,24 @@ class PageFormat:
     name: str
     k_bits: int = 0  # 0: native
     v_bits: int = 0
-    dtype: mx.Dtype | None = None  # native formats only
+    # native: the K/V dtype. mlx-qB: the scales' and biases' dtype (the model's), bound
+    # by resolve_format; None in the registry, where it is not known yet.
+    dtype: mx.Dtype | None = None
+    mlx_affine: bool = False  # mlx.core.quantize's layout, not the kernels'
+
+    @property
+    def native(self) -> bool:
+        return self.k_bits == 0
 
     @property
     def packed(self) -> bool:
-        return self.k_bits != 0
+        """The kernels' packed layout (kernels/layout.py): u8 codes, FP32 scales."""
+        return self.k_bits != 0 and not self.mlx_affine
+
+    @property
+    def paged(self) -> bool:
+        """Whether BlockPool, PagedKVCache and the kernels serve pages of this format."""
+        return not self.mlx_affine
 
 
 FORMATS: dict[str, PageFormat] = {
@@ -58,12 +85,12 @@ FORMATS: dict[str, PageFormat] = {
     "k8v8": PageFormat("k8v8", 8, 8),
     "k8v4": PageFormat("k8v4", 8, 4),
     "k4v4": PageFormat("k4v4", 4, 4),
+    **{name: PageFormat(name, bits, bits, mlx_affine=True)
+       for name, bits in MLX_AFFINE_FORMATS.items()},
 }
+PAGED_FORMATS = tuple(name for name, fmt in FORMATS.items() if fmt.paged)
 FORMAT_ALIASES = ("native",)  # resolved against the model dtype
 _NATIVE_BY_DTYPE = {mx.bfloat16: "native-bf16", mx.float16: "native-f16", mx.float32: "native-f32"}
-# numpy has no bfloat16: its bytes travel as uint16 bit patterns.
-_NUMPY_DTYPES = {mx.bfloat16: np.uint16, mx.float16: np.float16, mx.float32: np.float32,
-                 mx.uint8: np.uint8}
 
 
 def native_format_name(dtype: mx.Dtype) -> str:
@@ -73,13 +100,31 @@ def native_format_name(dtype: mx.Dtype) -> str:
 
 
 def resolve_format(name: str, model_dtype: mx.Dtype) -> PageFormat:
-    """The PageFormat for a policy name; "native" becomes native-<model dtype>."""
+    """The PageFormat for a policy name; "native" becomes native-<model dtype>, and an
+    mlx-qB format gets the model dtype as its scale dtype (mlx.core.quantize keeps
+    scales and biases in the dtype of what it quantizes)."""
     if name == "native":
         name = native_format_name(model_dtype)
     if name not in FORMATS:
         known = ", ".join(sorted(set(FORMATS) | set(FORMAT_ALIASES)))
         raise UnknownPageFormat(f"unknown page format {name!r} (known: {known})")
-    return FORMATS[name]
+    fmt = FORMATS[name]
+    if fmt.mlx_affine:
+        if model_dtype not in NAME_BY_DTYPE:
+            raise UnsupportedModel(f"no {name} scale dtype for model dtype {model_dtype}")
+        fmt = replace(fmt, dtype=model_dtype)
+    return fmt
+
+
+def require_paged(fmt: PageFormat) -> None:
+    """UnpagedFormat unless the paged engine (pools, PagedKVCache, kernels) serves fmt."""
+    if not fmt.paged:
+        raise UnpagedFormat(
+            f"the paged engine cannot serve {fmt.name} pages: they are mlx's own affine "
+            "quantization (u32 codes, scales in the model dtype), which the kernels' page "
+            "layouts do not describe. Hold them in mlx-lm's QuantizedKVCache "
+            "(restore(..., cache_kind='quantized')), or choose a paged format "
+            f"({', '.join(PAGED_FORMATS)})")
 
 
 @dataclass(frozen=True)
@@ -95,19 +140,36 @@ class PageSpec:
     rotation_seed: int | None = None  # packed keys are stored as k @ R(seed) when set
 
     def __post_init__(self):
-        if not self.format.packed and self.group_size != 64:
+        if self.format.native and self.group_size != 64:
             # Native pages have no groups; one canonical value keeps specs built from a
             # policy and from an identity equal.
             object.__setattr__(self, "group_size", 64)
         if self.rotation_seed is not None:
             if not self.format.packed:
-                raise FormatMismatch("native pages are never rotated")
+                raise FormatMismatch(f"{self.format.name} pages are never rotated")
             if not is_power_of_two(self.k_head_dim):
                 raise FormatMismatch(f"key rotation needs a power-of-two head dim, got {self.k_head_dim}")
-        self.layout.plane_widths(self.k_head_dim, self.v_head_dim)  # validates group size
+        if self.format.mlx_affine:
+            self._check_mlx_affine()
+        else:
+            self.layout.plane_widths(self.k_head_dim, self.v_head_dim)  # validates group size
+
+    def _check_mlx_affine(self) -> None:
+        name = self.format.name
+        if self.format.dtype not in NAME_BY_DTYPE:
+            raise FormatMismatch(f"{name} pages need their scale dtype: use "
+                                 "resolve_format(name, model dtype)")
+        if self.group_size not in MLX_GROUP_SIZES:
+            raise FormatMismatch(f"{name}: mlx quantizes in groups of {MLX_GROUP_SIZES}, "
+                                 f"not {self.group_size}")
+        for dim in (self.k_head_dim, self.v_head_dim):
+            if dim % self.group_size:
+                raise FormatMismatch(f"head dim {dim} is not a multiple of group size {self.group_size}")
 
     @property
     def layout(self) -> PageLayout:
+        """The kernels' layout of these pages (UnpagedFormat for mlx-qB pages)."""
+        require_paged(self.format)
         if not self.format.packed:
             return PageLayout()
         return PageLayout(self.format.k_bits, self.format.v_bits, self.group_size,
@@ -115,18 +177,26 @@ class PageSpec:
 
     @property
     def plane_names(self) -> tuple[str, ...]:
-        return self.layout.plane_names
+        return MLX_PLANES if self.format.mlx_affine else self.layout.plane_names
 
     @property
     def plane_widths(self) -> dict[str, int]:
-        return self.layout.plane_widths(self.k_head_dim, self.v_head_dim)
+        if not self.format.mlx_affine:
+            return self.layout.plane_widths(self.k_head_dim, self.v_head_dim)
+        # codes: head_dim values of k_bits each in u32 words; one scale and bias per group
+        out = {}
+        for half, dim in (("k", self.k_head_dim), ("v", self.v_head_dim)):
+            out[f"{half}_codes"] = dim * self.format.k_bits // 32
+            out[f"{half}_scales"] = out[f"{half}_biases"] = dim // self.group_size
+        return out
 
     @property
     def plane_dtypes(self) -> dict[str, mx.Dtype]:
-        if not self.format.packed:
+        if self.format.native:
             return {"k": self.format.dtype, "v": self.format.dtype}
-        return {name: (mx.uint8 if name.endswith("codes") else mx.float32)
-                for name in self.plane_names}
+        codes, scales = ((mx.uint32, self.format.dtype) if self.format.mlx_affine
+                         else (mx.uint8, mx.float32))
+        return {name: (codes if name.endswith("codes") else scales) for name in self.plane_names}
 
     def page_nbytes(self, tokens: int) -> int:
         """Bytes of one page holding `tokens` tokens (equals LayerSpec.page_nbytes)."""
@@ -150,12 +220,19 @@ class PageSpec:
     def rotation(self) -> str:
         return "none" if self.rotation_seed is None else f"{ROTATION_SCHEME}:{self.rotation_seed}"
 
+    @property
+    def scale_dtype(self) -> str:
+        """The identity's scale_dtype: "" native, float32 packed, the model's for mlx-qB."""
+        if self.format.native:
+            return ""
+        return NAME_BY_DTYPE[self.format.dtype] if self.format.mlx_affine else SCALE_DTYPE
+
     def layer_spec(self) -> LayerSpec:
-        packed = self.format.packed
+        quantized = not self.format.native
         return LayerSpec(kind="full", kv_heads=self.kv_heads, k_head_dim=self.k_head_dim,
                          v_head_dim=self.v_head_dim, page_format=self.format.name,
-                         group_size=self.group_size if packed else 0,
-                         scale_dtype=SCALE_DTYPE if packed else "", rotation=self.rotation)
+                         group_size=self.group_size if quantized else 0,
+                         scale_dtype=self.scale_dtype, rotation=self.rotation)
 
     @classmethod
     def from_layer_spec(cls, layer: LayerSpec, block_size_tokens: int) -> "PageSpec":
@@ -167,9 +244,10 @@ class PageSpec:
             if scheme != ROTATION_SCHEME or not value.isdigit():
                 raise FormatMismatch(f"unknown key rotation {layer.rotation!r}")
             seed = int(value)
-        fmt = resolve_format(layer.page_format, mx.float32)
+        # The scale dtype binds an mlx-qB format (a native format names its own dtype).
+        fmt = resolve_format(layer.page_format, DTYPE_BY_NAME.get(layer.scale_dtype, mx.float32))
         return cls(fmt, layer.kv_heads, layer.k_head_dim, layer.v_head_dim, block_size_tokens,
-                   layer.group_size if fmt.packed else 64, seed)
+                   layer.group_size if not fmt.native else 64, seed)
 
 
 def bits_per_value(spec: PageSpec, tokens: int | None = None) -> Fraction:
@@ -230,7 +308,7 @@ def encode_tokens(spec: PageSpec, keys: mx.array, values: mx.array) -> dict[str,
     The only place values are quantized. Packed keys are rotated first when the spec
     has a rotation seed (float32 math).
     """
-    if not spec.format.packed:
+    if spec.format.native:
         return {"k": keys, "v": values}
     layout = spec.layout
     if layout.rotated_keys:
@@ -244,7 +322,7 @@ def encode_tokens(spec: PageSpec, keys: mx.array, values: mx.array) -> dict[str,
 def decode_tokens(spec: PageSpec, planes: dict[str, mx.array], dtype: mx.Dtype):
     """planes [..., T, width] -> (keys [..., T, Dk], values [..., T, Dv]) in dtype,
     keys back in the model's basis. A read, never a re-encode."""
-    if not spec.format.packed:
+    if spec.format.native:
         return planes["k"].astype(dtype), planes["v"].astype(dtype)
     layout = spec.layout
     keys = dequantize(planes["k_codes"], planes["k_scales"], planes["k_offsets"], layout.k_bits)

@@ -23,7 +23,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from engine.attention import model_modules
 from engine.cache import PagedKVCache
 from engine.errors import UnsupportedModel
-from engine.formats import format_identity, page_spec_for, resolve_format
+from engine.formats import format_identity, page_spec_for, require_paged, resolve_format
 from engine.geometry import layer_geometry
 from engine.policy import KVPolicy
 from engine.pool import BlockPool
@@ -62,9 +62,13 @@ def _stock_caches(model: nn.Module) -> list:
 def make_pools(model: nn.Module, policy: KVPolicy | None = None, *, model_id: str | None = None,
                num_blocks: int = DEFAULT_NUM_BLOCKS, max_blocks: int | None = None,
                growth: float = 2.0) -> list[BlockPool | None]:
-    """One BlockPool per full-attention layer (None for the other layers)."""
+    """One BlockPool per full-attention layer (None for the other layers).
+
+    UnpagedFormat when the policy gives mlx-qB pages, which only mlx-lm's
+    QuantizedKVCache holds."""
     policy = policy or KVPolicy()
     fmt = resolve_format(policy.format_for(model_id), model_dtype(model))
+    require_paged(fmt)
     pools: list[BlockPool | None] = []
     for geometry in layer_geometry(model.args):
         if geometry.kind != "full":

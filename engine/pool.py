@@ -21,7 +21,7 @@ import math
 import mlx.core as mx
 
 from engine.errors import PoolExhausted
-from engine.formats import PageSpec
+from engine.formats import PageSpec, require_paged
 
 
 class BlockPool:
@@ -33,6 +33,7 @@ class BlockPool:
             raise ValueError(f"max_blocks {max_blocks} < num_blocks {num_blocks}")
         if growth <= 1.0:
             raise ValueError("growth must be > 1")
+        require_paged(spec.format)
         self.spec = spec
         self.max_blocks = max_blocks
         self.growth = growth

@@ -3,6 +3,8 @@ round trips, and the format identity built from a model config and a KV policy."
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -13,9 +15,12 @@ from engine import BlockPool, KVPolicy, PagedKVCache, PageSpec, bits_per_value, 
 from engine.errors import FormatMismatch, UnknownPageFormat
 from engine.formats import (
     FORMATS,
+    PAGED_FORMATS,
     blocks_from_pages,
+    page_from_planes,
     page_specs,
     pages_from_blocks,
+    planes_from_page,
     resolve_format,
 )
 from engine.geometry import model_fingerprint
@@ -25,8 +30,10 @@ from tests.engine.factories import model_config, tiny_model
 PACKED = ("k8v8", "k8v4", "k4v4")
 
 
-def spec_of(name, heads=2, k_dim=128, v_dim=128, block=16, group=64, seed=None):
-    return PageSpec(FORMATS[name], heads, k_dim, v_dim, block, group, seed)
+def spec_of(name, heads=2, k_dim=128, v_dim=128, block=16, group=64, seed=None,
+            model_dtype=mx.bfloat16):
+    # resolve_format binds an mlx-qB format's scale dtype (the model's); others ignore it
+    return PageSpec(resolve_format(name, model_dtype), heads, k_dim, v_dim, block, group, seed)
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
@@ -83,7 +90,7 @@ def _filled_cache(spec, tokens, seed=0):
 
 
 @settings(max_examples=25, deadline=None)
-@given(name=st.sampled_from(sorted(FORMATS)), tokens=st.integers(1, 70),
+@given(name=st.sampled_from(sorted(PAGED_FORMATS)), tokens=st.integers(1, 70),
        rotate=st.booleans(), block=st.sampled_from([1, 8, 16]))
 def test_pages_round_trip_byte_for_byte(name, tokens, rotate, block):
     seed = 7 if rotate and FORMATS[name].packed else None
@@ -211,3 +218,106 @@ def test_golden_page_digests(name, seed):
     pages = cache.snapshot().pages()
     assert [len(p) for p in pages] == [spec.page_nbytes(4), spec.page_nbytes(2)]
     assert tuple(blake3.blake3(p).hexdigest()[:32] for p in pages) == GOLDEN[name, seed]
+
+
+# -- mlx-qB: mlx's own affine quantization (mlx-lm's QuantizedKVCache) ------------------------
+MLX_BITS = (2, 3, 4, 5, 6, 8)
+
+
+def _doc_codes(page: bytes, offset: int, rows: int, width_words: int, bits: int, count: int):
+    """docs/format.md's code packing, read with numpy alone: each row is width_words u32le
+    words; code j of a row is bits j*B .. j*B+B-1 of its bit stream, LSB first."""
+    raw = np.frombuffer(page, np.uint8, rows * width_words * 4, offset).reshape(rows, -1)
+    stream = np.unpackbits(raw, axis=1, bitorder="little")[:, : count * bits]
+    weights = 1 << np.arange(bits)
+    return (stream.reshape(rows, count, bits) * weights).sum(axis=2)
+
+
+@pytest.mark.parametrize("bits", MLX_BITS)
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_mlx_q_pages_hold_mx_quantize_codes_in_the_documented_layout(bits, group):
+    spec = spec_of(f"mlx-q{bits}", heads=2, k_dim=128, v_dim=128, block=4, group=group,
+                   model_dtype=mx.float32)
+    x = mx.random.normal((2, 3, 128), key=mx.random.key(bits * group))
+    k, v = mx.quantize(x, group_size=group, bits=bits), mx.quantize(-x, group_size=group, bits=bits)
+    planes = dict(zip(spec.plane_names, (*k, *v), strict=True))
+    page = page_from_planes(spec, planes)
+    assert len(page) == spec.page_nbytes(3) == spec.layer_spec().page_nbytes(3)
+    widths = spec.plane_widths
+    assert widths["k_codes"] == 128 * bits // 32 and widths["k_scales"] == 128 // group
+    # codes read per the doc equal mlx's own codes (dequantized with scale 1, bias 0)
+    codes = _doc_codes(page, 0, 6, widths["k_codes"], bits, 128)
+    ones = mx.ones((2, 3, 128 // group))
+    mlx_codes = mx.dequantize(k[0], ones, ones * 0, group_size=group, bits=bits)
+    assert np.array_equal(codes, np.array(mlx_codes).reshape(6, 128))
+    # x' = scale * code + bias per group, computed from the page's bytes alone (float32
+    # scales: exact in float32 arithmetic)
+    offset = 6 * widths["k_codes"] * 4
+    scales = np.frombuffer(page, "<f4", 6 * 128 // group, offset).reshape(6, -1, 1)
+    biases = np.frombuffer(page, "<f4", 6 * 128 // group, offset + scales.nbytes).reshape(6, -1, 1)
+    ours = (codes.reshape(6, -1, group).astype(np.float32) * scales + biases).reshape(6, 128)
+    theirs = np.array(mx.dequantize(*k, group_size=group, bits=bits)).reshape(6, 128)
+    assert np.array_equal(ours, theirs)
+    # and the page parses back to exactly the planes it was made from
+    for name, plane in planes_from_page(spec, page, 3).items():
+        assert plane.dtype == planes[name].dtype and mx.array_equal(plane, planes[name]).item()
+
+
+def test_golden_mlx_q4_page_means_what_the_format_doc_says():
+    """docs/format.md section 7's mlx-q4 page, dequantized by mlx itself."""
+    page = bytes.fromhex("1032547698badcfe1032547698badcfe803f00c1"
+                         "efcdab8967452301efcdab8967452301003f803e")
+    spec = spec_of("mlx-q4", heads=1, k_dim=32, v_dim=32, block=1, group=32)
+    planes = planes_from_page(spec, page, 1)
+    keys = mx.dequantize(planes["k_codes"], planes["k_scales"], planes["k_biases"], group_size=32, bits=4)
+    values = mx.dequantize(planes["v_codes"], planes["v_scales"], planes["v_biases"], group_size=32, bits=4)
+    j = np.arange(32)
+    assert np.array_equal(np.array(keys.astype(mx.float32)).ravel(), j % 16 - 8.0)
+    assert np.array_equal(np.array(values.astype(mx.float32)).ravel(), (15 - j % 16) * 0.5 + 0.25)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+def test_mlx_q_page_bytes_are_what_a_quantized_kvcache_holds(bits, dtype):
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    spec = spec_of(f"mlx-q{bits}", heads=2, k_dim=64, v_dim=64, block=16, group=64,
+                   model_dtype=dtype)
+    assert spec.layer_spec().scale_dtype == {mx.bfloat16: "bfloat16", mx.float16: "float16",
+                                             mx.float32: "float32"}[dtype]
+    cache = QuantizedKVCache(group_size=64, bits=bits)
+    keys = mx.random.normal((1, 2, 256, 64)).astype(dtype)  # one mlx-lm step: no slack
+    cache.update_and_fetch(keys, keys)
+    assert cache.nbytes == spec.page_nbytes(256)
+    scale_bits = 16 if dtype != mx.float32 else 32
+    assert bits_per_value(spec) == bits + Fraction(2 * scale_bits, 64)
+
+
+def test_mlx_q_identity_and_specs_round_trip_and_refuse_rotation():
+    config = model_config("llama")
+    for dtype, name in [(mx.bfloat16, "bfloat16"), (mx.float16, "float16"), (mx.float32, "float32")]:
+        ident = format_identity(config, KVPolicy(default_format="mlx-q8", group_size=32),
+                                model_id="m", model_dtype=dtype)
+        layer = ident.layers[0]
+        assert (layer.page_format, layer.group_size, layer.scale_dtype, layer.rotation) == (
+            "mlx-q8", 32, name, "none")  # never rotated, whatever the policy's rotation
+        spec = page_specs(ident)[0]
+        assert spec.format.dtype == dtype and spec.layer_spec() == layer
+        assert FormatIdentity.from_json(ident.canonical()).format_id == ident.format_id
+    with pytest.raises(FormatMismatch):
+        spec_of("mlx-q4", seed=0)
+    with pytest.raises(FormatMismatch):
+        spec_of("mlx-q4", group=16)  # mlx quantizes in groups of 32, 64 or 128
+    with pytest.raises(FormatMismatch):
+        PageSpec(FORMATS["mlx-q4"], 2, 64, 64, 16, 64)  # unresolved: no scale dtype
+
+
+def test_paged_engine_does_not_serve_mlx_q_pages():
+    from engine.errors import UnpagedFormat
+
+    spec = spec_of("mlx-q4")
+    with pytest.raises(UnpagedFormat, match="QuantizedKVCache"):
+        BlockPool(spec, 2)
+    with pytest.raises(UnpagedFormat):
+        _ = spec.layout
+    assert set(PAGED_FORMATS) == set(FORMATS) - {f"mlx-q{b}" for b in MLX_BITS}
