@@ -1,7 +1,9 @@
 """generate_with_store: restore, prefill the rest, generate, publish, report.
 
 A thin layer over mlx-lm's generate_step: the cache it is handed is the restored one,
-so mlx-lm prefills only the tokens the store did not have. Publication goes through a
+so mlx-lm prefills only the tokens the store did not have. A policy of paged formats
+generates with PagedKVCaches; an mlx-qB policy with mlx-lm's QuantizedKVCache, restored
+and published byte for byte (engine/restore.py). Publication goes through a
 WriteBehindPublisher when one is given (never blocking generation), else inline after
 generation. Rates are recorded per execution identity (engine/rates.py) and decide
 between restoring and recomputing.
@@ -17,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from engine.attention import installed
+from engine.formats import page_specs
 from engine.models import model_identity
 from engine.policy import KVPolicy
 from engine.publish import DEFAULT_NAMESPACE, capture, upload
@@ -51,13 +54,18 @@ def generate_with_store(model, tokenizer, prompt: str | Sequence[int], store, *,
                         max_tokens: int = 64, sampler=None, publisher=None,
                         publish_prompt: bool = True, rates: RateBook | None = None,
                         pools: list | None = None) -> GenerationReport:
-    """Generate from `prompt` (text, or token ids) reusing the store's longest prefix."""
+    """Generate from `prompt` (text, or token ids) reusing the store's longest prefix.
+
+    The caches follow the policy's page format: PagedKVCache for paged formats, mlx-lm's
+    QuantizedKVCache for mlx-qB (bits and group size from the policy)."""
     policy = policy or KVPolicy()
     rates = rates or DEFAULT_RATES
     tokens = list(prompt) if not isinstance(prompt, str) else list(tokenizer.encode(prompt))
     if not tokens:
         raise ValueError("the prompt has no tokens")
     identity = model_identity(model, policy, model_id=model_id)
+    specs = [s for s in page_specs(identity) if s is not None]
+    cache_kind = "quantized" if any(s.format.mlx_affine for s in specs) else "paged"
     page_format = identity.layers[identity.paged_layers[0]].page_format if identity.paged_layers else "none"
     compute_key = ExecutionKey(identity.model_fingerprint, page_format, "engine", _device())
     restore_key = ExecutionKey(identity.model_fingerprint, page_format, "restore",
@@ -66,7 +74,7 @@ def generate_with_store(model, tokenizer, prompt: str | Sequence[int], store, *,
     with installed(model):
         t0 = time.perf_counter()
         restored = restore(model, tokens, store, model_id=model_id, policy=policy,
-                           namespace=namespace, pools=pools)
+                           namespace=namespace, pools=pools, cache_kind=cache_kind)
         restore_s = time.perf_counter() - t0
         decision = rates.decide_restore(compute_key, restore_key, restored.tokens_restored,
                                         restored.bytes_read)
@@ -76,7 +84,8 @@ def generate_with_store(model, tokenizer, prompt: str | Sequence[int], store, *,
                 if hasattr(c, "free"):
                     c.free()
             restored = restore(model, tokens, store, model_id=model_id, policy=policy,
-                               namespace=namespace, pools=pools, max_tokens=0)
+                               namespace=namespace, pools=pools, cache_kind=cache_kind,
+                               max_tokens=0)
             cache, n = restored.cache, 0
         elif n:
             rates.record(restore_key, "restore_bytes_per_s", restored.bytes_read, restore_s)

@@ -12,11 +12,14 @@ publish(store, identity, tokens, caches) runs in three steps:
   checkpoint (optional)                attachments are uploaded as pages and a named
             checkpoint pins the whole chain.
 
-Packed pages are published byte for byte as they sit in the pool. Sources: the
-engine's PagedKVCache and mlx-lm's KVCache (native pages) for full-attention layers;
-any registered mlx-lm cache (engine/attachments.py) for the other layers, as
-attachments. mlx-lm's QuantizedKVCache uses mlx's own quantization, which is none of
-our page formats: publishing it is refused (FormatMismatch) rather than re-quantized.
+Packed pages are published byte for byte as they sit in the pool. Sources for
+full-attention layers: the engine's PagedKVCache (any paged format), mlx-lm's KVCache
+(native pages) and mlx-lm's QuantizedKVCache (mlx-qB pages: its codes, scales and
+biases copied byte for byte, never dequantized or re-quantized; the identity must name
+the cache's bits, group size and dtype, e.g. KVPolicy(default_format="mlx-q8",
+group_size=64)). Any registered mlx-lm cache (engine/attachments.py) serves the other
+layers, as attachments. A cache that does not hold what the identity names is refused
+(FormatMismatch) rather than converted.
 
 WriteBehindPublisher (engine/writebehind.py) runs the upload step off the decode path.
 """
@@ -106,16 +109,38 @@ def _capture_paged(cache: PagedKVCache, spec: PageSpec, num_tokens: int) -> Laye
     return LayerCapture(spec, {n: _host(g) for n, g in gathered.items()}, num_tokens)
 
 
-def _capture_stock(cache: KVCache, spec: PageSpec, num_tokens: int) -> LayerCapture:
-    if spec.format.packed:
-        raise FormatMismatch(f"a stock KVCache holds native K/V, the identity says {spec.format.name}")
+def _stock_planes(cache, spec: PageSpec) -> dict[str, mx.array]:
+    """A stock cache's arrays by plane name, each [1, H, capacity, width], after checking
+    that the cache holds what the identity names."""
+    fmt = spec.format
+    if isinstance(cache, QuantizedKVCache):
+        if not fmt.mlx_affine:
+            raise FormatMismatch(
+                f"a QuantizedKVCache holds mlx's affine codes ({cache.bits} bits, groups of "
+                f"{cache.group_size}); the identity says {fmt.name}: publish it under "
+                f"KVPolicy(default_format='mlx-q{cache.bits}', group_size={cache.group_size})")
+        if (cache.bits, cache.group_size) != (fmt.k_bits, spec.group_size):
+            raise FormatMismatch(
+                f"the QuantizedKVCache holds {cache.bits}-bit codes in groups of "
+                f"{cache.group_size}; the identity says {fmt.name} in groups of {spec.group_size}")
+        return dict(zip(spec.plane_names, (*cache.keys, *cache.values), strict=True))
+    if not fmt.native:
+        raise FormatMismatch(f"a stock KVCache holds native K/V, the identity says {fmt.name}")
+    return {"k": cache.keys, "v": cache.values}
+
+
+def _capture_stock(cache, spec: PageSpec, num_tokens: int) -> LayerCapture:
+    """A KVCache's or QuantizedKVCache's first num_tokens tokens, as they are."""
     size = spec.block_size_tokens
     n_blocks = -(-num_tokens // size)
     planes = {}
-    for name, array in (("k", cache.keys), ("v", cache.values)):
-        if array.dtype != spec.format.dtype:
-            raise FormatMismatch(f"KVCache holds {array.dtype}, the identity says {spec.format.name}")
-        history = array[0, :, :num_tokens]  # [H, T, D]
+    for name, array in _stock_planes(cache, spec).items():
+        expected = (spec.kv_heads, spec.plane_widths[name])
+        if array.dtype != spec.plane_dtypes[name] or (array.shape[1], array.shape[3]) != expected:
+            raise FormatMismatch(f"{type(cache).__name__} plane {name} is {array.dtype}{array.shape}, "
+                                 f"the identity says {spec.plane_dtypes[name]} [1, {expected[0]}, "
+                                 f"tokens, {expected[1]}] ({spec.format.name})")
+        history = array[0, :, :num_tokens]  # [H, T, W]
         pad = n_blocks * size - num_tokens
         if pad:
             history = mx.concatenate([history, mx.zeros((history.shape[0], pad, history.shape[2]),
@@ -150,11 +175,7 @@ def capture(identity: FormatIdentity, tokens: Sequence[int], caches: Sequence,
                                  "to publish")
         if isinstance(cache, PagedKVCache):
             layers.append(_capture_paged(cache, spec, len(tokens)))
-        elif isinstance(cache, QuantizedKVCache):
-            raise FormatMismatch("QuantizedKVCache pages use mlx's own quantization, not a kvstore "
-                                 "page format; publish from a PagedKVCache with a packed policy "
-                                 "or from a KVCache")
-        elif isinstance(cache, KVCache):
+        elif isinstance(cache, (KVCache, QuantizedKVCache)):
             layers.append(_capture_stock(cache, spec, len(tokens)))
         else:
             raise FormatMismatch(f"layer {index} is a full-attention layer with a "

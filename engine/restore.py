@@ -19,10 +19,24 @@ is allocated:
      against its hash on read) or fetched into buffers from a RemoteStore, and copied
      once into freshly allocated pool blocks (or stock mlx-lm caches).
 
+Targets (cache_kind) by page format; every other pairing is refused with
+IncompatibleFormat (and its diff) in step 1, before anything is allocated:
+  paged      native-*, k8v8, k8v4, k4v4 into PagedKVCache (pools).
+  kvcache    native-* into mlx-lm's KVCache.
+  quantized  mlx-qB into mlx-lm's QuantizedKVCache, byte for byte (bits and group size
+             come from the identity; quantized_bits / quantized_group_size, if given,
+             must agree with it); native-* into a QuantizedKVCache by quantizing on
+             restore (KVCache.to_quantized with quantized_group_size, default 64, and
+             quantized_bits, default 8): equal to what generate_step(kv_bits=...) makes
+             of a natively prefilled cache, not to a cache quantized from its first token.
+mlx-qB pages do not go into a PagedKVCache (the kernels have no layout for them) nor
+into a KVCache (dequantizing them would be a third computation, equal neither to
+recompute nor to the QuantizedKVCache they came from).
+
 At most len(tokens) - 1 tokens are restored by default: the model must still run on
 at least one token to produce the logits of the next.
-Native restores are bit-exact with recompute; packed restores are the published
-bytes, byte for byte.
+Native restores are bit-exact with recompute; packed and mlx-qB restores are the
+published bytes, byte for byte.
 """
 
 from __future__ import annotations
@@ -32,13 +46,13 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from engine.admission import AdmissionRequest
 from engine.attachments import decode_attachment
 from engine.cache import PagedKVCache
-from engine.errors import InvalidRequest, PoolExhausted
-from engine.formats import blocks_from_pages, page_specs
+from engine.errors import FormatMismatch, InvalidRequest, PoolExhausted
+from engine.formats import PAGED_FORMATS, PageSpec, blocks_from_pages, page_specs
 from engine.models import default_attention_impl, make_cache, make_pools, model_identity
 from engine.policy import KVPolicy
 from engine.publish import DEFAULT_NAMESPACE
@@ -47,6 +61,9 @@ from kvstore.format import FormatIdentity, LayerSpec, diff
 from kvstore.records import BlockRecord, Checkpoint
 
 CACHE_KINDS = ("paged", "kvcache", "quantized")
+# mlx-lm's QuantizedKVCache defaults, used when native pages are quantized on restore.
+DEFAULT_QUANTIZED_GROUP_SIZE = 64
+DEFAULT_QUANTIZED_BITS = 8
 
 
 @dataclass
@@ -96,6 +113,40 @@ def check_pools(identity: FormatIdentity, pools: Sequence) -> None:
                                  "identity", problems)
 
 
+def check_target(identity: FormatIdentity, cache_kind: str, group_size: int | None = None,
+                 bits: int | None = None) -> tuple[int, int]:
+    """IncompatibleFormat (with a diff per layer) unless caches of `cache_kind` can hold
+    the identity's pages (see the module docstring). Returns the (group_size, bits) a
+    "quantized" target uses: the identity's for mlx-qB pages, else the arguments or
+    mlx-lm's defaults. Reads nothing, allocates nothing."""
+    problems, quantized = [], set()
+    for index, spec in enumerate(page_specs(identity)):
+        if spec is None:
+            continue
+        fmt, path = spec.format, f"layers[{index}].page_format"
+        if cache_kind == "paged" and not fmt.paged:
+            problems.append((path, "a paged format (" + ", ".join(PAGED_FORMATS) + ")", fmt.name))
+        elif cache_kind == "kvcache" and not fmt.native:
+            problems.append((path, "native (a KVCache holds K/V as computed)", fmt.name))
+        elif cache_kind == "quantized" and fmt.packed:
+            problems.append((path, "native or mlx-qB (a QuantizedKVCache holds mlx's codes)",
+                             fmt.name))
+        elif cache_kind == "quantized" and fmt.mlx_affine:
+            if bits is not None and bits != fmt.k_bits:
+                problems.append((path, f"mlx-q{bits}", fmt.name))
+            if group_size is not None and group_size != spec.group_size:
+                problems.append((f"layers[{index}].group_size", group_size, spec.group_size))
+            quantized.add((spec.group_size, fmt.k_bits))
+    if problems:
+        raise IncompatibleFormat(f"{cache_kind} caches cannot hold the pages this format "
+                                 "identity names", problems)
+    assert len(quantized) <= 1, f"one identity names several mlx-qB layouts: {quantized}"
+    if quantized:
+        return quantized.pop()
+    return (DEFAULT_QUANTIZED_GROUP_SIZE if group_size is None else group_size,
+            DEFAULT_QUANTIZED_BITS if bits is None else bits)
+
+
 def find_checkpoint(store, identity: FormatIdentity, namespace: str, tokens: Sequence[int],
                     limit: int) -> Checkpoint | None:
     """The longest checkpoint of this format whose tokens prefix tokens[:limit]."""
@@ -136,8 +187,8 @@ def _check_capacity(pools, n_blocks: int) -> None:
 def restore(model, tokens: Sequence[int], store, *, model_id: str,
             policy: KVPolicy | None = None, namespace: str = DEFAULT_NAMESPACE,
             pools: list | None = None, cache_kind: str = "paged", max_tokens: int | None = None,
-            attention_impl: str | None = "auto", quantized_group_size: int = 64,
-            quantized_bits: int = 8, tokenizer_fingerprint: str = "",
+            attention_impl: str | None = "auto", quantized_group_size: int | None = None,
+            quantized_bits: int | None = None, tokenizer_fingerprint: str = "",
             checkpoint: str | None = None, admission=None, max_new_tokens: int = 0,
             request_id: str = "", deadline: float | None = None,
             resident=None) -> Restored:
@@ -162,12 +213,10 @@ def restore(model, tokens: Sequence[int], store, *, model_id: str,
     policy = policy or KVPolicy()
     identity = model_identity(model, policy, model_id=model_id,
                               tokenizer_fingerprint=tokenizer_fingerprint)
-    if cache_kind == "paged":
-        if pools is not None:
-            check_pools(identity, pools)
-    elif any(layer.paged and layer.page_format.startswith("k") for layer in identity.layers):
-        raise IncompatibleFormat(f"{cache_kind} caches hold native K/V; the policy gives packed pages",
-                                 [("page_format", "native", identity.layers[identity.paged_layers[0]].page_format)])
+    quantized_group_size, quantized_bits = check_target(identity, cache_kind,
+                                                        quantized_group_size, quantized_bits)
+    if cache_kind == "paged" and pools is not None:
+        check_pools(identity, pools)
     limit = len(tokens) - 1 if max_tokens is None else min(max_tokens, len(tokens))
     all_full = all(layer.paged for layer in identity.layers)
 
@@ -233,16 +282,37 @@ def restore(model, tokens: Sequence[int], store, *, model_id: str,
     return result
 
 
-def kvcache_from_pages(spec, pages: list) -> KVCache:
-    """An mlx-lm KVCache holding native pages (in block order): K/V [1, H, tokens, D]."""
+def _history(spec: PageSpec, pages: list) -> tuple[dict[str, mx.array], int]:
+    """Pages (in block order) -> (name -> [1, H, tokens, width], tokens), bytes as they are."""
     planes, n_tokens = blocks_from_pages(spec, pages)  # name -> [n, H, bs, W]
-    kv = []
-    for name in ("k", "v"):
-        p = planes[name]
+    out = {}
+    for name, p in planes.items():
         n, heads, size, width = p.shape
-        kv.append(p.transpose(1, 0, 2, 3).reshape(1, heads, n * size, width)[:, :, :n_tokens])
+        out[name] = p.transpose(1, 0, 2, 3).reshape(1, heads, n * size, width)[:, :, :n_tokens]
+    return out, n_tokens
+
+
+def kvcache_from_pages(spec: PageSpec, pages: list) -> KVCache:
+    """An mlx-lm KVCache holding native pages (in block order): K/V [1, H, tokens, D]."""
+    if not spec.format.native:
+        raise FormatMismatch(f"a KVCache holds native K/V, not {spec.format.name} pages")
+    planes, n_tokens = _history(spec, pages)
     cache = KVCache()
-    cache.state = (kv[0], kv[1], n_tokens)
+    cache.state = (planes["k"], planes["v"], n_tokens)
+    return cache
+
+
+def quantized_kvcache_from_pages(spec: PageSpec, pages: list) -> QuantizedKVCache:
+    """An mlx-lm QuantizedKVCache holding mlx-qB pages (in block order), byte for byte:
+    keys = (codes [1, H, tokens, Dk*B/32] u32, scales [1, H, tokens, Dk/G], biases
+    [1, H, tokens, Dk/G]), values likewise; bits and group size from the spec."""
+    if not spec.format.mlx_affine:
+        raise FormatMismatch(f"a QuantizedKVCache holds mlx-qB pages, not {spec.format.name}")
+    planes, n_tokens = _history(spec, pages)
+    cache = QuantizedKVCache(group_size=spec.group_size, bits=spec.format.k_bits)
+    cache.keys = tuple(planes[n] for n in ("k_codes", "k_scales", "k_biases"))
+    cache.values = tuple(planes[n] for n in ("v_codes", "v_scales", "v_biases"))
+    cache.offset = n_tokens
     return cache
 
 
@@ -292,6 +362,8 @@ def _build(model, policy, model_id, identity, pools, blocks: list[BlockRecord], 
                     caches[layer] = PagedKVCache.from_pages(pools[layer], pages, attention_impl=impl)
                 else:
                     caches[layer] = grant.cache_from_pages(pools[layer], pages, attention_impl=impl)
+            elif spec.format.mlx_affine:  # cache_kind "quantized" (check_target)
+                caches[layer] = quantized_kvcache_from_pages(spec, pages)
             else:
                 stock = kvcache_from_pages(spec, pages)
                 caches[layer] = stock.to_quantized(group_size, bits) if cache_kind == "quantized" else stock
@@ -305,4 +377,5 @@ def _build(model, policy, model_id, identity, pools, blocks: list[BlockRecord], 
                     ckpt.name if ckpt is not None else None, resident_blocks=shared)
 
 
-__all__ = ["Restored", "restore", "check_pools", "find_checkpoint", "kvcache_from_pages"]
+__all__ = ["Restored", "restore", "check_pools", "check_target", "find_checkpoint",
+           "kvcache_from_pages", "quantized_kvcache_from_pages"]

@@ -248,3 +248,170 @@ def test_publish_and_restore_through_the_http_service(tmp_path):
         want = model(mx.array([[3]]), cache=fresh)[:, -1]
         got = model(mx.array([[3]]), cache=restored.cache)[:, -1]
     assert mx.array_equal(got, want).item()
+
+
+# -- mlx-lm's QuantizedKVCache: mlx-qB pages ------------------------------------------------
+def _quantized_policy(bits=4, group_size=64, block=16):
+    return KVPolicy(default_format=f"mlx-q{bits}", group_size=group_size, block_size_tokens=block)
+
+
+def _quantized_prefilled(model, tokens, bits=4, group_size=64):
+    caches = [QuantizedKVCache(group_size=group_size, bits=bits) for _ in model.layers]
+    mx.eval(model(mx.array([tokens]), cache=caches))
+    return caches
+
+
+def _quantized_arrays(cache, tokens):
+    """codes, scales, biases of K then V for the first `tokens` tokens."""
+    return [a[..., :tokens, :] for a in (*cache.keys, *cache.values)]
+
+
+# (model type, bits, group size). gemma3_text's sliding layers travel as attachments of
+# the checkpoint the publisher makes; its full layers are QuantizedKVCaches.
+QUANTIZED_CROSS_PROCESS_CASES = [("llama", 4, 64), ("llama", 8, 32), ("gemma3_text", 8, 64)]
+
+
+@pytest.mark.parametrize("model_type,bits,group_size", QUANTIZED_CROSS_PROCESS_CASES)
+def test_cross_process_quantized_kvcache_restore_equals_quantized_recompute(
+        tmp_path, model_type, bits, group_size):
+    model = tiny_model(model_type, mx.bfloat16)
+    weights = tmp_path / "weights.safetensors"
+    model.save_weights(str(weights))
+    shared = prompt_tokens(300, seed=12).tolist()
+    common = {"model_type": model_type, "dtype": "bfloat16", "weights": str(weights),
+              "cache": "quantized", "bits": bits, "group_size": group_size, "block_size": 64,
+              "store": str(tmp_path / "store")}
+    published = _run_worker({**common, "role": "publish", "prompt": shared})
+    assert published["blocks"] == -(-300 // 64)
+    suffix = prompt_tokens(40, seed=13).tolist()
+    result = _run_worker({**common, "role": "restore", "prompt": shared + suffix, "generate": 16})
+    assert result["types"] == (["QuantizedKVCache"] if model_type == "llama"
+                               else ["QuantizedKVCache", "RotatingKVCache"])
+    assert result["source"] == ("prefix" if model_type == "llama" else "checkpoint")
+    assert result["tokens_restored"] == 300  # 4 full blocks and the 44-token partial one
+    # Codes, scales and biases of every layer, byte for byte as the publisher held them.
+    assert len(result["state"]) == 2 * 6  # two full-attention layers, six arrays each
+    assert len(set(result["state"])) == 12
+    assert result["state"] == published["state"]
+    # The same QuantizedKVCache computed from scratch over the whole prompt: tokens and
+    # every step's logprobs, tolerance 0.
+    assert len(result["got"]) == 16
+    assert result["got"] == result["want"]
+    assert result["got_logprobs"] == result["want_logprobs"]
+    # The comparison can tell caches apart: native K/V give other logprobs.
+    assert result["got_logprobs"] != result["native_logprobs"]
+
+
+def test_quantized_pages_restore_byte_identical_and_partial_prefix(tmp_path):
+    model = tiny_model("llama", mx.bfloat16)
+    policy = _quantized_policy(bits=4, group_size=32, block=16)
+    identity = model_identity(model, policy, model_id=MODEL_ID)
+    assert [identity.layers[i].page_format for i in identity.paged_layers] == ["mlx-q4"] * 2
+    assert {(x.group_size, x.scale_dtype, x.rotation) for x in identity.layers} == {
+        (32, "bfloat16", "none")}
+    first = prompt_tokens(100, seed=40).tolist()
+    published = _quantized_prefilled(model, first, bits=4, group_size=32)
+    before = capture(identity, first, published)
+    with Store(tmp_path / "s") as store:
+        publish(store, identity, first, published)
+        whole = restore(model, first + [1], store, model_id=MODEL_ID, policy=policy,
+                        cache_kind="quantized")
+        assert whole.tokens_restored == 100 and whole.blocks == 7
+        after = capture(identity, first, whole.cache)
+        other = first[:50] + prompt_tokens(60, seed=41).tolist()  # shares 3 full blocks
+        partial = restore(model, other, store, model_id=MODEL_ID, policy=policy,
+                          cache_kind="quantized")
+    for a, b in zip(before.layers, after.layers, strict=True):
+        assert all(a.page(i) == b.page(i) for i in range(7))
+    assert partial.tokens_restored == 48 and partial.blocks == 3
+    for theirs, ours, part in zip(published, whole.cache, partial.cache, strict=True):
+        assert type(ours) is QuantizedKVCache and (ours.bits, ours.group_size) == (4, 32)
+        assert ours.offset == 100 and part.offset == 48
+        for a, b in zip(_quantized_arrays(theirs, 100), _quantized_arrays(ours, 100), strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape and mx.array_equal(a, b).item()
+        for a, b in zip(_quantized_arrays(theirs, 48), _quantized_arrays(part, 48), strict=True):
+            assert mx.array_equal(a, b).item()
+    # and it keeps working as a QuantizedKVCache: the next tokens match the published cache
+    rest = prompt_tokens(5, seed=42).tolist()
+    got = model(mx.array([rest]), cache=whole.cache)[:, -1]
+    want = model(mx.array([rest]), cache=published)[:, -1]
+    assert mx.array_equal(got, want).item()
+
+
+@pytest.mark.parametrize("target,kwargs,field", [
+    ("bits", {"policy": _quantized_policy(bits=8)}, "layers[0].page_format"),
+    ("group size", {"policy": _quantized_policy(group_size=32)}, "layers[0].group_size"),
+    ("scale dtype", {"dtype": mx.float32}, "layers[0].scale_dtype"),
+    ("explicit bits", {"quantized_bits": 8}, "layers[0].page_format"),
+    ("explicit group size", {"quantized_group_size": 128}, "layers[0].group_size"),
+    ("paged target", {"cache_kind": "paged"}, "layers[0].page_format"),
+    ("kvcache target", {"cache_kind": "kvcache"}, "layers[0].page_format"),
+])
+def test_quantized_identity_mismatch_is_refused_before_allocation(tmp_path, target, kwargs, field):
+    model = tiny_model("llama", mx.bfloat16)
+    policy = _quantized_policy(bits=4, group_size=64)
+    tokens = prompt_tokens(64, seed=43).tolist()
+    with Store(tmp_path / "s") as store:
+        publish(store, model_identity(model, policy, model_id=MODEL_ID), tokens,
+                _quantized_prefilled(model, tokens), checkpoint="c")
+        kwargs = dict(kwargs)
+        reader = tiny_model("llama", kwargs.pop("dtype")) if "dtype" in kwargs else model
+        args = {"policy": policy, "cache_kind": "quantized", **kwargs}
+        mx.eval(mx.zeros(1))
+        active_before = mx.get_active_memory()
+        with pytest.raises(IncompatibleFormat) as info:
+            restore(reader, tokens + [1], store, model_id=MODEL_ID, checkpoint="c", **args)
+        assert mx.get_active_memory() <= active_before
+        assert field in {path for path, _, _ in info.value.diff}, info.value.diff
+        # the same restore with the publisher's identity goes through
+        ok = restore(model, tokens + [1], store, model_id=MODEL_ID, policy=policy,
+                     cache_kind="quantized", checkpoint="c")
+        assert ok.tokens_restored == 64
+
+
+def test_quantized_kvcache_is_published_only_under_its_own_identity(tmp_path):
+    model = tiny_model("llama", mx.bfloat16)
+    tokens = prompt_tokens(20, seed=44).tolist()
+    caches = _quantized_prefilled(model, tokens, bits=4, group_size=64)
+    for policy in (_quantized_policy(bits=8), _quantized_policy(group_size=32),
+                   KVPolicy(default_format="k4v4", block_size_tokens=16)):
+        with pytest.raises(FormatMismatch):
+            capture(model_identity(model, policy, model_id=MODEL_ID), tokens, caches)
+    # and a KVCache is not published as mlx-qB pages
+    stock = [KVCache() for _ in model.layers]
+    mx.eval(model(mx.array([tokens]), cache=stock))
+    with pytest.raises(FormatMismatch):
+        capture(model_identity(model, _quantized_policy(), model_id=MODEL_ID), tokens, stock)
+    cap = capture(model_identity(model, _quantized_policy(), model_id=MODEL_ID), tokens, caches)
+    assert [len(cap.layers[0].page(i)) for i in range(2)] == [
+        cap.layers[0].spec.page_nbytes(16), cap.layers[0].spec.page_nbytes(4)]
+
+
+def test_paged_engine_refuses_mlx_q_pages_with_a_typed_error():
+    from engine.errors import UnpagedFormat
+
+    model = tiny_model("llama", mx.bfloat16)
+    with pytest.raises(UnpagedFormat, match="QuantizedKVCache"):
+        make_pools(model, _quantized_policy(), model_id=MODEL_ID)
+    with pytest.raises(UnpagedFormat):
+        make_cache(model, _quantized_policy(), model_id=MODEL_ID)
+
+
+@pytest.mark.parametrize("page_format", ["native", "mlx-q8"])
+def test_generate_with_store_restores_what_it_published(tmp_path, page_format):
+    from engine.generate import generate_with_store
+    from engine.rates import RateBook
+
+    model = tiny_model("llama", mx.bfloat16)
+    policy = KVPolicy(default_format=page_format, block_size_tokens=16)
+    prompt = prompt_tokens(70, seed=45).tolist()
+    with Store(tmp_path / "s") as store:
+        first = generate_with_store(model, None, prompt, store, model_id=MODEL_ID, policy=policy,
+                                    max_tokens=8, rates=RateBook())
+        assert first.tokens_restored == 0 and first.published["blocks"] == 5
+        # a fresh rate book has no prefill samples and restores: the 4 full blocks (at most
+        # 69 tokens may be restored, and the stored partial block holds all 6 of the rest)
+        again = generate_with_store(model, None, prompt, store, model_id=MODEL_ID, policy=policy,
+                                    max_tokens=8, rates=RateBook(), publish_prompt=False)
+    assert again.tokens_restored == 64 and again.tokens_computed == 6
+    assert again.tokens == first.tokens
