@@ -27,10 +27,10 @@ the manifest, tokens and block table against each other (chain keys recomputed),
 page's length against its layer's format and its blake3 against its name. Any failure
 raises before the first write (ExportFileError, IncompatibleFormat, UnsupportedVersion).
 
-mlx-lm file: what mlx_lm.models.cache.save_prompt_cache writes (KVCache per full
-layer, the attachment cache for other layers), for native page formats only: packed
-pages are not what an mlx-lm KVCache holds, and converting them would be a lossy
-decode, so they are refused with IncompatibleFormat.
+mlx-lm file: what mlx_lm.models.cache.save_prompt_cache writes (per full layer a
+KVCache for native pages or a QuantizedKVCache for mlx-qB pages, byte for byte; the
+attachment cache for other layers). kXvY pages are neither: converting them would be
+a lossy decode, so they are refused with IncompatibleFormat.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import numpy as np
 
 from kvstore.errors import IncompatibleFormat, KVStoreError, UnsupportedVersion
 from kvstore.fileio import AtomicFile
-from kvstore.format import NATIVE_FORMATS, FormatIdentity
+from kvstore.format import PACKED_FORMATS, FormatIdentity
 from kvstore.ids import PageDigest
 from kvstore.records import BlockRecord, Checkpoint, blocks_for_tokens
 from kvstore.store import hash_page
@@ -303,21 +303,23 @@ def import_export(store, pf: PortableFile, *, name: Optional[str] = None,
 
 # -- mlx-lm prompt-cache files ------------------------------------------------------------------
 def export_mlx_lm(store, ckpt: Checkpoint, path: Path, progress: Progress = None) -> dict:
-    """Write a file mlx_lm.models.cache.load_prompt_cache reads (native formats only)."""
+    """Write a file mlx_lm.models.cache.load_prompt_cache reads (native and mlx-qB
+    formats: KVCache and QuantizedKVCache layers)."""
     import mlx.core as mx
     from mlx_lm.models.cache import save_prompt_cache
 
     from engine.attachments import decode_attachment
     from engine.formats import page_specs
-    from engine.restore import kvcache_from_pages
+    from engine.restore import kvcache_from_pages, quantized_kvcache_from_pages
 
     identity = store.get_format(ckpt.format_id)
     packed = sorted({identity.layers[i].page_format for i in identity.paged_layers
-                     if identity.layers[i].page_format not in NATIVE_FORMATS})
+                     if identity.layers[i].page_format in PACKED_FORMATS})
     if packed:
         raise IncompatibleFormat(
             f"checkpoint {ckpt.namespace}/{ckpt.name} is stored as {', '.join(packed)}; an mlx-lm "
-            "prompt cache holds native K/V. Export the portable file instead (without --mlx-lm)")
+            "prompt cache holds native K/V (KVCache) or mlx's own quantization (QuantizedKVCache, "
+            "mlx-qB pages). Export the portable file instead (without --mlx-lm)")
     by_layer = {}
     for name, digest in ckpt.attachments.items():
         kind, _, index = name.partition(".")
@@ -335,7 +337,9 @@ def export_mlx_lm(store, ckpt: Checkpoint, path: Path, progress: Progress = None
     with store.get_pages(digests + [by_layer[i] for i in attachment_layers]) as views:
         for j, layer in enumerate(paged):
             pages = [views[i * len(paged) + j] for i in range(len(records))]
-            caches[layer] = kvcache_from_pages(specs[layer], pages)
+            build = (quantized_kvcache_from_pages if specs[layer].format.mlx_affine
+                     else kvcache_from_pages)
+            caches[layer] = build(specs[layer], pages)
             if progress:
                 progress(sum(len(v) for v in pages))
         for k, layer in enumerate(attachment_layers):

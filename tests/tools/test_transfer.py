@@ -245,3 +245,32 @@ def test_portable_round_trip_over_generated_checkpoints(case):
             export_checkpoint(store, store.get_checkpoint(namespace, name), tmp / "2.st")
         assert (tmp / "1.st").read_bytes() == (tmp / "2.st").read_bytes()
         assert first.nbytes == (tmp / "1.st").stat().st_size
+
+
+def test_mlx_lm_export_of_a_quantized_kvcache_checkpoint_is_byte_for_byte(tmp_path):
+    """mlx-qB pages come back as the QuantizedKVCache they were published from."""
+    mx = pytest.importorskip("mlx.core")
+    from mlx_lm.models.cache import QuantizedKVCache, load_prompt_cache
+
+    from engine.models import model_identity
+    from engine.policy import KVPolicy
+    from engine.publish import publish
+    from tests.engine.factories import prompt_tokens, tiny_model
+
+    model = tiny_model("llama", dtype=mx.bfloat16)
+    tokens = prompt_tokens(100).tolist()
+    caches = [QuantizedKVCache(group_size=32, bits=4) for _ in model.layers]
+    mx.eval(model(mx.array(tokens)[None], cache=caches))
+    policy = KVPolicy(default_format="mlx-q4", group_size=32, block_size_tokens=64)
+    with Store(tmp_path / "store") as store:
+        publish(store, model_identity(model, policy, model_id="test/q4"), tokens, caches,
+                checkpoint="q")
+    out = tmp_path / "q.safetensors"
+    assert run("export", "q", out, "--mlx-lm", "-d", tmp_path / "store").code == EXIT_OK
+    loaded = load_prompt_cache(str(out))
+    assert [type(c) for c in loaded] == [QuantizedKVCache] * 2
+    for live, back in zip(caches, loaded, strict=True):
+        assert (back.offset, back.bits, back.group_size) == (100, 4, 32)
+        for x, y in zip((*live.keys, *live.values), (*back.keys, *back.values), strict=True):
+            x = x[..., :100, :]  # live arrays are allocated in steps of 256
+            assert x.dtype == y.dtype and x.shape == y.shape and mx.array_equal(x, y).item()

@@ -33,14 +33,14 @@ ImportFileArgument = typer.Argument(..., metavar="FILE", help="a file written by
 def export(
     name: str = typer.Argument(..., metavar="NAME", help="checkpoint (namespace/)name"),
     file: Path = ExportFileArgument,
-    mlx_lm: bool = typer.Option(False, "--mlx-lm", help="write an mlx-lm prompt-cache file instead (native formats only)"),
+    mlx_lm: bool = typer.Option(False, "--mlx-lm", help="write an mlx-lm prompt-cache file instead (native and mlx-qB formats only)"),
     namespace: Optional[str] = typer.Option(None, "--namespace", "-n", help="namespace of NAME (default: search all)"),
     data_dir: Optional[Path] = DataDirOption, url: Optional[str] = UrlOption,
     token: Optional[str] = TokenOption, as_json: bool = JsonOption,
 ) -> None:
     """Export a checkpoint to one portable safetensors file.
 
-    The file holds every page as a uint8 tensor named page/<blake3>, the block table, the tokens, and the format identity and manifest in its metadata; plain `safetensors.numpy.load_file` reads it, and `kvstore import` verifies it. --mlx-lm writes what mlx_lm.models.cache.load_prompt_cache reads instead (native page formats only; packed ones exit 4).
+    The file holds every page as a uint8 tensor named page/<blake3>, the block table, the tokens, and the format identity and manifest in its metadata; plain `safetensors.numpy.load_file` reads it, and `kvstore import` verifies it. --mlx-lm writes what mlx_lm.models.cache.load_prompt_cache reads instead (native page formats as KVCache, mlx-qB ones as QuantizedKVCache; kXvY ones exit 4).
 
     Example:
 
