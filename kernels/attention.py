@@ -155,10 +155,15 @@ def workspace_nbytes(
     queries_f32 = rows * k_head_dim * 4
     triple = rows * (v_head_dim + 2) * 4
     if impl in ("cuda", "metal"):
-        from kernels.direct import ROWS_PER_BLOCK, split_count
+        from kernels.direct import MMA_TARGET_BLOCKS, ROWS_PER_BLOCK, split_count
 
-        row_chunks = math.ceil(num_queries * (n_q_heads // n_kv_heads) / ROWS_PER_BLOCK)
-        splits = split_count(1, n_kv_heads, row_chunks, context_len)
+        # the lane-group kernel's splits, or (CUDA, packed pages) the tensor-core kernel's,
+        # whichever is larger: the query dtype that picks between them is not known here
+        group_rows = num_queries * (n_q_heads // n_kv_heads)
+        splits = split_count(1, n_kv_heads, math.ceil(group_rows / ROWS_PER_BLOCK), context_len)
+        if impl == "cuda" and layout.packed:
+            mma_chunks = math.ceil(group_rows / (16 if group_rows > 8 and k_head_dim <= 128 else 8))
+            splits = max(splits, split_count(1, n_kv_heads, mma_chunks, context_len + 16, MMA_TARGET_BLOCKS))
         return queries_f32 + rows * splits * (v_head_dim + 2) * 4
 
     def expansion(tokens: int) -> int:

@@ -429,4 +429,8 @@ def _merge_kernel():
 
 def launch(plan: direct.LaunchPlan) -> mx.array:
     """Run the split and merge kernels of one planned call; returns [B, Hq, L, Dv]."""
+    if plan.kernel == "mma":
+        from kernels import cuda_mma
+
+        return direct.run_split_merge(plan, cuda_mma.split_kernel(), _merge_kernel())
     return direct.run_split_merge(plan, _split_kernel(plan.packed), _merge_kernel())

@@ -46,18 +46,35 @@ UNROLL = 2  # tokens a lane group loads per step (halved for float32 pages: regi
 TABLE_CAP = 256  # block-table entries a split block stages in shared memory
 DIMS_PER_LANE = 16  # head_dim values per lane; a lane group is D / DIMS_PER_LANE lanes
 
+# The tensor-core kernel (kernels/cuda_mma.py): packed pages, fp16/bf16 queries, CUDA only.
+MMA_WARPS = 4
+MMA_TARGET_BLOCKS = 132 * 2  # H200 sweep (docs/kernels.md): fewer, longer splits won at 128K
+MMA_HEAD_DIMS = (64, 128, 256)
+MMA_PIPE: bool | None = None  # prefetch the next step's page words; None: where registers allow
+MMA_STAGES: int | None = None  # cp.async ring depth; None: as many as fit (up to 4), 0: off
+MMA_SHARED_BYTES = 44 * 1024  # static shared memory the rings may use (48 KB limit, less the rest)
+MMA_ENV = "KVSTORE_DIRECT_MMA"  # "0": packed pages use the lane-group kernel too
+
 
 TUNING_ENV = "KVSTORE_DIRECT_TUNING"
 
 
 def apply_tuning(text: str) -> None:
-    """Set launch parameters from "unroll,warps,target_blocks[,dims_per_lane]" (benchmarks and
-    device tests; $KVSTORE_DIRECT_TUNING is applied at import)."""
-    global UNROLL, NUM_WARPS, TARGET_BLOCKS, DIMS_PER_LANE
+    """Set launch parameters from "unroll,warps,target_blocks[,dims_per_lane[,mma_warps,
+    mma_target_blocks[,mma_pipe[,mma_stages]]]]" (benchmarks and device tests; $KVSTORE_DIRECT_TUNING is
+    applied at import)."""
+    global UNROLL, NUM_WARPS, TARGET_BLOCKS, DIMS_PER_LANE, MMA_WARPS, MMA_TARGET_BLOCKS, MMA_PIPE
+    global MMA_STAGES
     values = [int(x) for x in text.split(",")]
     UNROLL, NUM_WARPS, TARGET_BLOCKS = values[:3]
     if len(values) > 3:
         DIMS_PER_LANE = values[3]
+    if len(values) > 5:
+        MMA_WARPS, MMA_TARGET_BLOCKS = values[4:6]
+    if len(values) > 6:
+        MMA_PIPE = bool(values[6])
+    if len(values) > 7:
+        MMA_STAGES = values[7]
 
 
 if os.environ.get(TUNING_ENV):
@@ -107,10 +124,26 @@ def kernel_supports(layout: PageLayout, k_head_dim: int, v_head_dim: int) -> boo
     return not layout.packed or layout.group_size % per_lane == 0
 
 
-def split_count(batch: int, n_kv_heads: int, row_chunks: int, span_tokens: int) -> int:
+def split_count(batch: int, n_kv_heads: int, row_chunks: int, span_tokens: int,
+                target_blocks: int | None = None) -> int:
     """Splits per sequence: enough blocks to fill the GPU, at least MIN_SPLIT_TOKENS each."""
-    wanted = math.ceil(TARGET_BLOCKS / max(1, batch * n_kv_heads * row_chunks))
+    wanted = math.ceil((target_blocks or TARGET_BLOCKS) / max(1, batch * n_kv_heads * row_chunks))
     return max(1, min(wanted, math.ceil(span_tokens / MIN_SPLIT_TOKENS)))
+
+
+def mma_serves(layout: PageLayout, k_head_dim: int, v_head_dim: int, query_dtype: mx.Dtype) -> bool:
+    """True when the tensor-core kernel serves this call: packed pages whose dequantized
+    values it may hold in fp16 (queries fp16/bf16; float32 queries keep float32 math), head
+    dims 64/128/256 and quantization groups of at least 8 values."""
+    return (
+        os.environ.get(MMA_ENV, "1") != "0"
+        and layout.packed
+        and query_dtype in (mx.float16, mx.bfloat16)
+        and k_head_dim == v_head_dim
+        and k_head_dim in MMA_HEAD_DIMS
+        and layout.group_size % 8 == 0
+        and k_head_dim % layout.group_size == 0
+    )
 
 
 @dataclass
@@ -118,6 +151,7 @@ class LaunchPlan:
     """Everything cuda.launch / metal.launch need for one call."""
 
     packed: bool
+    kernel: str  # "lane" (kernels/cuda.py, kernels/metal.py) or "mma" (kernels/cuda_mma.py)
     batch: int
     head_dim: int
     num_splits: int
@@ -144,6 +178,7 @@ def plan_launch(
     mask=None,
     window: int | None = None,
     sinks: mx.array | None = None,
+    kernel: str = "lane",
 ) -> LaunchPlan:
     """The launch of one call. Everything but the input arrays is cached by shape, dtype,
     lengths and options: every layer of a decode step shares one plan, so the Python work
@@ -152,13 +187,15 @@ def plan_launch(
     key = (
         tuple(queries.shape), queries.dtype, tuple((tuple(p.shape), p.dtype) for p in plane_arrays),
         tuple(block_tables.shape), tuple(context_lens), layout, scale, mask, window,
-        sinks is not None, UNROLL, NUM_WARPS, TARGET_BLOCKS, DIMS_PER_LANE,
+        sinks is not None, UNROLL, NUM_WARPS, TARGET_BLOCKS, DIMS_PER_LANE, kernel,
+        MMA_WARPS, MMA_TARGET_BLOCKS, MMA_PIPE, MMA_STAGES,
     )
     cached = _PLANS.get(key)
     if cached is None:
         if len(_PLANS) >= 256:
             _PLANS.clear()
-        cached = _PLANS[key] = _build_plan(
+        build = _build_mma_plan if kernel == "mma" else _build_plan
+        cached = _PLANS[key] = build(
             queries, planes, block_tables, context_lens, layout,
             scale=scale, mask=mask, window=window, sinks=sinks,
         )
@@ -230,11 +267,89 @@ def _build_plan(
     merge_template = [("D", shape.v_head_dim), ("HAS_SINKS", has_sinks), ("OutT", queries.dtype)]
     return LaunchPlan(
         packed=layout.packed,
+        kernel="lane",
         batch=shape.batch,
         head_dim=shape.k_head_dim,
         num_splits=num_splits,
         grid_y=shape.n_kv_heads * row_chunks,
         threads=num_warps * 32,
+        split_inputs=[],
+        split_template=split_template,
+        merge_template=merge_template,
+        meta=meta,
+        sinks=None,
+        partial_shape=(shape.batch * shape.n_q_heads * shape.num_queries, num_splits),
+        output_shape=(shape.batch, shape.n_q_heads, shape.num_queries, shape.v_head_dim),
+        output_dtype=queries.dtype,
+    )
+
+
+def _build_mma_plan(
+    queries: mx.array,
+    planes: dict[str, mx.array],
+    block_tables: mx.array,
+    context_lens: list[int],
+    layout: PageLayout,
+    *,
+    scale: float,
+    mask=None,
+    window: int | None = None,
+    sinks: mx.array | None = None,
+) -> LaunchPlan:
+    """The tensor-core kernel's launch: 8 (or 16, D <= 128) query rows per block, a warp
+    takes 16 tokens per step, so the visible span starts at a multiple of 16 (earlier keys
+    are masked by position) and splits are whole steps."""
+    shape = check_shape(queries, planes, block_tables, context_lens, layout)
+    if not mma_serves(layout, shape.k_head_dim, shape.v_head_dim, queries.dtype):
+        raise ValueError(f"the tensor-core kernel does not serve layout {layout} with head dims "
+                         f"{shape.k_head_dim}/{shape.v_head_dim} and {queries.dtype} queries")
+    rows = shape.rep * shape.num_queries
+    rows16 = rows > 8 and shape.k_head_dim <= 128
+    rows_per_block = 16 if rows16 else 8
+    row_chunks = math.ceil(rows / rows_per_block)
+    first_key = first_visible_key(context_lens, shape.num_queries, window) // 16 * 16
+    span = shape.max_context - first_key
+    num_splits = split_count(shape.batch, shape.n_kv_heads, row_chunks, span, MMA_TARGET_BLOCKS)
+    split_tokens = math.ceil(math.ceil(span / num_splits) / 16) * 16
+    num_splits = math.ceil(span / split_tokens)
+    meta = meta_array(
+        (rows, shape.num_queries, split_tokens, window or 0, first_key, row_chunks,
+         float_bits(scale), *context_lens)
+    )
+    causal = shape.num_queries > 1 and (mask == "causal" or window is not None)
+    d = shape.k_head_dim
+    raw_words = 2 * (d // 4) * layout.k_bits // 32 + 4 * (d // 8) * layout.v_bits // 32
+    # cp.async rings: a warp step is 16 tokens of every plane (codes and four scale planes)
+    slot = 16 * (d * (layout.k_bits + layout.v_bits) // 8 + 4 * 4 * (d // layout.group_size))
+    stages = min(4, MMA_SHARED_BYTES // (MMA_WARPS * slot)) if MMA_STAGES is None else MMA_STAGES
+    if shape.block_size % 16 or stages < 2:
+        stages = 0
+    split_template = [
+        ("D", d),
+        ("ROWS16", rows16),
+        ("NUM_WARPS", MMA_WARPS),
+        ("BLOCK_SIZE", shape.block_size),
+        ("K_BITS", layout.k_bits),
+        ("V_BITS", layout.v_bits),
+        ("GROUP", layout.group_size),
+        ("CAUSAL", causal),
+        ("WINDOWED", window is not None),
+        ("ROTATE", layout.rotated_keys),
+        ("TABLE_CAP", TABLE_CAP),
+        ("PIPE", raw_words <= 32 if MMA_PIPE is None else MMA_PIPE),
+        ("PROBE", 0),
+        ("ASYNC", stages > 0),
+        ("STAGES", max(stages, 1)),
+    ]
+    merge_template = [("D", shape.v_head_dim), ("HAS_SINKS", sinks is not None), ("OutT", queries.dtype)]
+    return LaunchPlan(
+        packed=True,
+        kernel="mma",
+        batch=shape.batch,
+        head_dim=d,
+        num_splits=num_splits,
+        grid_y=shape.n_kv_heads * row_chunks,
+        threads=MMA_WARPS * 32,
         split_inputs=[],
         split_template=split_template,
         merge_template=merge_template,
@@ -278,8 +393,14 @@ def direct_attention(
     layout: PageLayout,
     **options,
 ) -> mx.array:
-    """Run the custom kernel of `backend` ("cuda" or "metal"); see the module docstring."""
-    plan = plan_launch(queries, planes, block_tables, context_lens, layout, **options)
+    """Run the custom kernel of `backend` ("cuda" or "metal"); see the module docstring.
+    On CUDA, packed pages with fp16/bf16 queries take the tensor-core kernel."""
+    kernel = "lane"
+    if backend == "cuda" and layout.packed:
+        v_head_dim = planes["v_codes"].shape[-1] * 8 // layout.v_bits
+        if mma_serves(layout, queries.shape[-1], v_head_dim, queries.dtype):
+            kernel = "mma"
+    plan = plan_launch(queries, planes, block_tables, context_lens, layout, kernel=kernel, **options)
     if backend == "cuda":
         from kernels import cuda
 

@@ -26,6 +26,9 @@ def check() -> bool:
         ("k8v4-rot", 64, 8, 64, [77, 300], 3, "causal", None),
         ("k8v8-rot", 256, 1, 16, [300], 8, "causal", 50),
         ("f32", 256, 1, 16, [300], 8, "causal", 50),
+        ("k4v4-rot-f16", 128, 4, 16, [5000], 1, None, None),
+        ("k8v8-f16", 128, 8, 64, [1500, 700], 2, "causal", None),
+        ("k4v4", 128, 4, 16, [131072], 1, None, None),
     ]:
         case = make_case(layout, head_dim=dim, n_kv_heads=2, gqa=gqa, block_size=block,
                          context_lens=lens, num_queries=queries)
@@ -87,12 +90,16 @@ if __name__ == "__main__":
         for tokens in (4096, 32768, 131072):
             print(f"T={tokens}: full call {time_call(tokens):.1f} us; {time_parts(tokens)}", flush=True)
         results = []
-        for tuning in ("2,4,264,8", "4,4,264,16", "2,4,264,16", "2,2,264,8", "4,4,132,16",
-                       "2,4,132,16"):
+        # lane-group kernel settings fixed at the shipped 2,4,264,16; the sweep is over the
+        # tensor-core kernel's warps per block, target blocks and prefetch
+        for tuning in ("2,4,264,16,4,264,1", "2,4,264,16,4,528,1", "2,4,264,16,4,1056,1",
+                       "2,4,264,16,8,264,1", "2,4,264,16,8,528,1", "2,4,264,16,4,528,0",
+                       "2,4,264,16,4,1056,0", "2,4,264,16,8,1056,0", "2,4,264,16,2,1056,1"):
             direct.apply_tuning(tuning)
             mid, long = time_call(32768), time_call(131072)
             results.append((long + mid, tuning))
-            print(f"tune {tuning} (unroll,warps,target_blocks,dims_per_lane): "
+            print(f"tune {tuning} (unroll,warps,target_blocks,dims_per_lane,mma_warps,"
+                  f"mma_target_blocks,mma_pipe): "
                   f"32K {mid:.1f} us, 128K {long:.1f} us", flush=True)
         best = min(results)[1]
         print("BEST", best)

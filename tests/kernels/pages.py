@@ -25,6 +25,9 @@ LAYOUTS = {
     "k8v8-rot": (PageLayout(8, 8, rotation_seed=11), mx.bfloat16),
     "k8v4-rot": (PageLayout(8, 4, rotation_seed=12), mx.bfloat16),
     "k4v4-rot": (PageLayout(4, 4, rotation_seed=13), mx.bfloat16),
+    # float16 queries: the tighter tolerance checks the CUDA tensor-core kernel's fp16 operands
+    "k4v4-rot-f16": (PageLayout(4, 4, rotation_seed=14), mx.float16),
+    "k8v8-f16": (PageLayout(8, 8, group_size=32), mx.float16),
 }
 
 

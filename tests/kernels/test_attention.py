@@ -69,6 +69,8 @@ TABLE = [
     ("k4v4-rot", 128, 8, 256, [33000], 1, None, None),        # over 32K, decode
     ("k4v4", 128, 4, 64, [32800], 4, "causal", None),         # over 32K, short speculative window
     ("bf16", 64, 1, 256, [33001], 2, None, 4096),             # over 32K, sliding window
+    ("k4v4-rot-f16", 128, 4, 16, [4099], 1, None, None),      # float16 queries, decode
+    ("k8v8-f16", 128, 8, 64, [1500, 700], 2, "causal", None), # float16, group 32, 16 rows
 ]
 
 SOAK_AXES = dict(

@@ -1,0 +1,147 @@
+"""Run on the H200 (not collected by pytest): where the time of one k4v4 decode call goes.
+
+Times (eval of --inner calls built beforehand, median of repeats) against context length:
+dense SDPA, the tensor-core split kernel alone, split + merge, a plain streaming read of the
+same page bytes through mx.fast.cuda_kernel (the bandwidth floor for this launch path) and
+an empty kernel (the launch floor); then the tensor-core kernel's launch parameters.
+
+  python3 tests/kernels/h200_profile.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import mlx.core as mx
+
+from kernels import cuda, cuda_mma, direct
+from tests.kernels.pages import make_case
+
+INNER = 20
+TUNE = True
+
+
+def eval_us(fn, repeats: int = 9) -> float:
+    mx.eval([fn() for _ in range(INNER)])
+    samples = []
+    for _ in range(repeats):
+        outs = [fn() for _ in range(INNER)]
+        mx.synchronize()
+        t = time.perf_counter()
+        mx.eval(outs)
+        mx.synchronize()
+        samples.append((time.perf_counter() - t) / INNER)
+    return statistics.median(samples) * 1e6
+
+
+STREAM = mx.fast.cuda_kernel(
+    name="kvstore_stream_read",
+    input_names=["a", "b", "c", "d", "e", "f"],
+    output_names=["out"],
+    source=r"""
+  const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+  const size_t stride = (size_t)gridDim.x * blockDim.x;
+  unsigned int acc = 0;
+  const uint4* pa = reinterpret_cast<const uint4*>(a);
+  const uint4* pd = reinterpret_cast<const uint4*>(d);
+  const size_t na = a_shape[0] * a_shape[1] * a_shape[2] * a_shape[3] / 16;
+  const size_t nd = d_shape[0] * d_shape[1] * d_shape[2] * d_shape[3] / 16;
+  for (size_t i = tid; i < na; i += stride) { uint4 r = __ldg(pa + i); acc ^= r.x ^ r.y ^ r.z ^ r.w; }
+  for (size_t i = tid; i < nd; i += stride) { uint4 r = __ldg(pd + i); acc ^= r.x ^ r.y ^ r.z ^ r.w; }
+  const float4* fb = reinterpret_cast<const float4*>(b);
+  const float4* fc = reinterpret_cast<const float4*>(c);
+  const float4* fe = reinterpret_cast<const float4*>(e);
+  const float4* ff = reinterpret_cast<const float4*>(f);
+  const size_t nb = b_shape[0] * b_shape[1] * b_shape[2] * b_shape[3] / 4;
+  float facc = 0.f;
+  for (size_t i = tid; i < nb; i += stride) {
+    float4 x = __ldg(fb + i), y = __ldg(fc + i), z = __ldg(fe + i), w = __ldg(ff + i);
+    facc += x.x + y.y + z.z + w.w;
+  }
+  if (acc == 0x12345678u && facc == 1.2345f) out[0] = 1.f;
+  if (tid == 0) out[1] = 0.f;
+""",
+)
+
+EMPTY = mx.fast.cuda_kernel(name="kvstore_empty", input_names=["a"], output_names=["out"],
+                            source="  if (threadIdx.x == 0 && blockIdx.x == 0) out[0] = a[0];")
+
+
+def ncu_target() -> None:
+    """One 128K k4v4 decode call, repeated: the process `ncu` profiles."""
+    case = make_case("k4v4-rot", head_dim=128, n_kv_heads=8, gqa=4, block_size=16,
+                     context_lens=[131072], num_queries=1)
+    plan = direct.plan_launch(case.queries, case.planes, case.block_tables, case.context_lens,
+                              case.layout, scale=128**-0.5, kernel="mma")
+    for _ in range(5):
+        mx.eval(cuda.launch(plan))
+
+
+def main() -> None:
+    print("device", mx.default_device())
+    one = mx.zeros((1,), mx.float32)
+    print(f"empty kernel: {eval_us(lambda: EMPTY(inputs=[one], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.float32])[0]):.1f} us")
+    for tokens in (4096, 32768, 131072, 262144):
+        case = make_case("k4v4-rot", head_dim=128, n_kv_heads=8, gqa=4, block_size=16,
+                         context_lens=[tokens], num_queries=1)
+        planes = [case.planes[n] for n in case.layout.plane_names]
+        nbytes = sum(p.nbytes for p in planes) * tokens / (planes[0].shape[0] * 16)
+        keys = mx.random.normal((1, 8, tokens, 128)).astype(mx.bfloat16)
+        values = mx.random.normal((1, 8, tokens, 128)).astype(mx.bfloat16)
+        q = case.queries.astype(mx.bfloat16)
+        mx.eval(keys, values, q)
+        dense = eval_us(lambda: mx.fast.scaled_dot_product_attention(q, keys, values, scale=128**-0.5))
+        plan = direct.plan_launch(q, case.planes, case.block_tables, case.context_lens, case.layout,
+                                  scale=128**-0.5, kernel="mma")
+        mx.eval(plan.meta)
+        split = cuda_mma.split_kernel()
+
+        def split_only():
+            return split(inputs=plan.split_inputs, template=plan.split_template,
+                         grid=(plan.num_splits * plan.threads, plan.grid_y, plan.batch),
+                         threadgroup=(plan.threads, 1, 1),
+                         output_shapes=[plan.partial_shape + (128,), plan.partial_shape + (2,)],
+                         output_dtypes=[mx.float32, mx.float32])[0]
+
+        s_us = eval_us(split_only)
+        for probe in (1, 2, 0):
+            for stages in (0, 4):
+                template = [(k, v) for k, v in plan.split_template if k not in ("PROBE", "ASYNC", "STAGES")]
+                template += [("PROBE", probe), ("ASYNC", stages > 0), ("STAGES", max(1, stages))]
+
+                def probed():
+                    return split(inputs=plan.split_inputs, template=template,
+                                 grid=(plan.num_splits * plan.threads, plan.grid_y, plan.batch),
+                                 threadgroup=(plan.threads, 1, 1),
+                                 output_shapes=[plan.partial_shape + (128,), plan.partial_shape + (2,)],
+                                 output_dtypes=[mx.float32, mx.float32])[0]
+
+                us = eval_us(probed)
+                print(f"  probe {probe} ({['full', 'launch only', 'page reads only'][probe]}) stages {stages}: "
+                      f"{us:.1f} us ({nbytes / us / 1e3:.0f} GB/s)", flush=True)
+        full = eval_us(lambda: cuda.launch(plan))
+        stream = eval_us(lambda: STREAM(inputs=planes, grid=(132 * 8 * 256, 1, 1), threadgroup=(256, 1, 1),
+                                        output_shapes=[(2,)], output_dtypes=[mx.float32])[0])
+        total_pool = sum(p.nbytes for p in planes)
+        print(f"T={tokens}: dense {dense:.1f} us | mma split {s_us:.1f} us ({nbytes / s_us / 1e3:.0f} GB/s), "
+              f"split+merge {full:.1f} us, splits {plan.num_splits} | stream read of the pool "
+              f"({total_pool / 1e6:.0f} MB) {stream:.1f} us = {total_pool / stream / 1e3:.0f} GB/s", flush=True)
+        if tokens in (32768, 131072) and TUNE:
+            for tuning in ("2,4,264,16,4,528,0,0", "2,4,264,16,4,264,0,4", "2,4,264,16,4,396,0,4",
+                           "2,4,264,16,4,528,0,4", "2,4,264,16,4,792,0,4", "2,4,264,16,4,528,0,3",
+                           "2,4,264,16,4,528,0,2", "2,4,264,16,8,264,0,2", "2,4,264,16,8,528,0,2",
+                           "2,4,264,16,2,528,0,4", "2,4,264,16,2,1056,0,4"):
+                direct.apply_tuning(tuning)
+                p2 = direct.plan_launch(q, case.planes, case.block_tables, case.context_lens,
+                                        case.layout, scale=128**-0.5, kernel="mma")
+                mx.eval(p2.meta)
+                print(f"  tune {tuning}: split+merge {eval_us(lambda: cuda.launch(p2)):.1f} us "
+                      f"(splits {p2.num_splits})", flush=True)
+            direct.apply_tuning("2,4,264,16,4,528,0,4")
+
+
+if __name__ == "__main__":
+    import sys
+
+    ncu_target() if "--ncu" in sys.argv else main()
