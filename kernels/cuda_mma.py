@@ -146,7 +146,7 @@ __device__ __forceinline__ unsigned int kv_dequant(unsigned int biased, __half2 
 
 # Template: D, ROWS16, NUM_WARPS, BLOCK_SIZE, K_BITS, V_BITS, GROUP, CAUSAL, WINDOWED, ROTATE,
 # TABLE_CAP, ASYNC + STAGES (cp.async rings of raw page bytes in shared memory, for
-# BLOCK_SIZE % 16 == 0), PROBE (0; profiling cuts, tests/kernels/h200_profile.py), PIPE (prefetch the next step's raw words; off where they would not fit in
+# BLOCK_SIZE % 16 == 0), SUB (16-token steps per warp iteration; STAGES is a multiple), PROBE (0; profiling cuts, tests/kernels/h200_profile.py), PIPE (prefetch the next step's raw words; off where they would not fit in
 # registers). meta as the lane-group kernel's (kernels/cuda.py), with first_key
 # rounded down to a multiple of 16 and split_tokens a multiple of 16 (direct.py plans it).
 SPLIT_BODY = r"""
@@ -159,7 +159,6 @@ SPLIT_BODY = r"""
   constexpr int GROUPS = D / GROUP;        // scale/offset entries per token
   constexpr int KG = C > GROUP ? C / GROUP : 1;
   constexpr int VG = CV > GROUP ? CV / GROUP : 1;
-  constexpr int STEP = NUM_WARPS * 16;
   constexpr float LOG2E = 1.4426950408889634f;
   if (PROBE == 1) return;  // profiling: the launch alone
 
@@ -302,8 +301,8 @@ SPLIT_BODY = r"""
   uint8_t* ring = sh_raw + warp * (ASYNC ? STAGES * SLOT : 0);
   auto issue = [&](int slot, int t) {
     uint8_t* dst = ring + slot * SLOT;
-    const size_t at = page_at(t);
-    const int live = stop - t;  // tokens of this step that exist
+    const size_t at = page_at(min(t, stop - 1));  // a step past the end: its bytes are all zero-filled
+    const int live = stop - t;  // tokens of this step that exist (<= 0: none)
     // one plane's run of 16 tokens: ROW bytes per token, 16-byte pieces spread over the lanes
     auto copy_run = [&](uint8_t* to, const uint8_t* from, int row) {
       if (live >= 16) {  // every step but a split's last
@@ -351,85 +350,103 @@ SPLIT_BODY = r"""
     }
   };
 
-  Raw cur, nxt;
-  int t0 = start + warp * 16;
+  // A warp iteration covers STEPS_PER_ITER consecutive 16-token steps (2 with the rings): their
+  // score chains are independent, and the row max is reduced once per iteration.
+  constexpr int STEPS_PER_ITER = ASYNC ? SUB : 1;  // the register path takes one step at a time
+  constexpr int SPAN = 16 * STEPS_PER_ITER;           // tokens per warp iteration
+  constexpr int ITER = NUM_WARPS * SPAN;   // tokens per block iteration
+  constexpr int AHEAD = ASYNC ? STAGES / STEPS_PER_ITER - 1 : 0;  // iterations in flight beyond this one
+  Raw cur[STEPS_PER_ITER], nxt;
+  int t0 = start + warp * SPAN;
+  auto issue_iteration = [&](int iteration, int t) {
+#pragma unroll
+    for (int u = 0; u < STEPS_PER_ITER; ++u) issue((iteration * STEPS_PER_ITER + u) % STAGES, t + 16 * u);
+  };
   if constexpr (ASYNC) {
 #pragma unroll
-    for (int stage = 0; stage < STAGES - 1; ++stage) {
-      if (t0 + stage * STEP < stop) issue(stage, t0 + stage * STEP);
+    for (int ahead = 0; ahead < AHEAD; ++ahead) {
+      if (t0 + ahead * ITER < stop) issue_iteration(ahead, t0 + ahead * ITER);
       kv_cp_commit();
     }
   } else {
-    if (t0 < stop) fetch(cur, t0);
+    if (t0 < stop) fetch(cur[0], t0);
   }
   unsigned int probe_sink = 0;
-  for (int step = 0; t0 < stop; t0 += STEP, ++step) {
+  for (int iteration = 0; t0 < stop; t0 += ITER, ++iteration) {
     if constexpr (ASYNC) {
-      // the slot refilled here was read in the previous step: every lane is past it
+      // the slots refilled here were read in the previous iteration: every lane is past them
       __syncwarp();
-      if (t0 + (STAGES - 1) * STEP < stop) issue((step + STAGES - 1) % STAGES, t0 + (STAGES - 1) * STEP);
+      if (t0 + AHEAD * ITER < stop) issue_iteration(iteration + AHEAD, t0 + AHEAD * ITER);
       kv_cp_commit();
-      kv_cp_wait<STAGES - 1>();
+      kv_cp_wait<AHEAD>();
       __syncwarp();
-      load_slot(cur, step % STAGES);
-    } else if (PIPE && t0 + STEP < stop) {
-      fetch(nxt, t0 + STEP);
+#pragma unroll
+      for (int u = 0; u < STEPS_PER_ITER; ++u) load_slot(cur[u], (iteration * STEPS_PER_ITER + u) % STAGES);
+    } else if (PIPE && t0 + ITER < stop) {
+      fetch(nxt, t0 + ITER);
     }
     if (PROBE == 2) {  // profiling: page reads only
 #pragma unroll
-      for (int i = 0; i < 2; ++i) probe_sink ^= cur.k[i][0] ^ __float_as_uint(cur.ks[i][0]) ^ __float_as_uint(cur.ko[i][0]);
+      for (int u = 0; u < STEPS_PER_ITER; ++u) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) probe_sink ^= cur.v[i][0] ^ __float_as_uint(cur.vs[i][0]) ^ __float_as_uint(cur.vo[i][0]);
+        for (int i = 0; i < 2; ++i) probe_sink ^= cur[u].k[i][0] ^ __float_as_uint(cur[u].ks[i][0]) ^ __float_as_uint(cur[u].ko[i][0]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) probe_sink ^= cur[u].v[i][0] ^ __float_as_uint(cur[u].vs[i][0]) ^ __float_as_uint(cur[u].vo[i][0]);
+      }
       if (ASYNC) {}
-      else if (PIPE) cur = nxt;
-      else if (t0 + STEP < stop) fetch(cur, t0 + STEP);
+      else if (PIPE) cur[0] = nxt;
+      else if (t0 + ITER < stop) fetch(cur[0], t0 + ITER);
       continue;
     }
 
-    // S = Q K^T for tokens t0 + n (n-tile 0) and t0 + 8 + n (n-tile 1)
-    float s[2][4];
+    // S = Q K^T: sub-step u, n-tile i holds tokens t0 + 16u + 8i + n
+    float s[STEPS_PER_ITER][2][4];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      __half2 scale2[KG], scale16[KG], offset2[KG];
+    for (int u = 0; u < STEPS_PER_ITER; ++u)
 #pragma unroll
-      for (int g = 0; g < KG; ++g) {
-        scale2[g] = __float2half2_rn(cur.ks[i][g]);
-        scale16[g] = K_BITS == 4 ? kv_sixteenth(scale2[g]) : scale2[g];
-        offset2[g] = __float2half2_rn(cur.ko[i][g]);
+      for (int i = 0; i < 2; ++i) {
+        __half2 scale2[KG], scale16[KG], offset2[KG];
+#pragma unroll
+        for (int g = 0; g < KG; ++g) {
+          scale2[g] = __float2half2_rn(cur[u].ks[i][g]);
+          scale16[g] = K_BITS == 4 ? kv_sixteenth(scale2[g]) : scale2[g];
+          offset2[g] = __float2half2_rn(cur[u].ko[i][g]);
+        }
+#pragma unroll
+        for (int c = 0; c < 4; ++c) s[u][i][c] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+          const int g0 = KG > 1 ? kv_key_pair_dim<K_BITS>(2 * ks, 0) / GROUP : 0;
+          const int g1 = KG > 1 ? kv_key_pair_dim<K_BITS>(2 * ks + 1, 0) / GROUP : 0;
+          const unsigned int b0 = kv_dequant(kv_key_pair<K_BITS>(cur[u].k[i], 2 * ks), scale2[g0], offset2[g0]);
+          const unsigned int b1 = kv_dequant(kv_key_pair<K_BITS>(cur[u].k[i], 2 * ks + 1), scale16[g1], offset2[g1]);
+          kv_mma(s[u][i], qa[ks], b0, b1);
+        }
       }
-#pragma unroll
-      for (int c = 0; c < 4; ++c) s[i][c] = 0.f;
-#pragma unroll
-      for (int ks = 0; ks < KSTEPS; ++ks) {
-        const int g0 = KG > 1 ? kv_key_pair_dim<K_BITS>(2 * ks, 0) / GROUP : 0;
-        const int g1 = KG > 1 ? kv_key_pair_dim<K_BITS>(2 * ks + 1, 0) / GROUP : 0;
-        const unsigned int b0 = kv_dequant(kv_key_pair<K_BITS>(cur.k[i], 2 * ks), scale2[g0], offset2[g0]);
-        const unsigned int b1 = kv_dequant(kv_key_pair<K_BITS>(cur.k[i], 2 * ks + 1), scale16[g1], offset2[g1]);
-        kv_mma(s[i], qa[ks], b0, b1);
-      }
-    }
 
-    // mask; online softmax per row (row gid: s[.][0..1], row gid + 8: s[.][2..3])
+    // mask; online softmax per row (row gid: s[.][.][0..1], row gid + 8: s[.][.][2..3])
     bool grew = false;
     float corr[2] = {1.f, 1.f};
+    const bool whole = !CAUSAL && !WINDOWED && t0 + SPAN <= stop;  // nothing to mask (warp-uniform)
 #pragma unroll
     for (int r = 0; r < (ROWS16 ? 2 : 1); ++r) {
       float tile_max = KV_NEG_INF;
-      const bool whole = !CAUSAL && !WINDOWED && t0 + 16 <= stop;  // nothing to mask (warp-uniform)
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
+      for (int u = 0; u < STEPS_PER_ITER; ++u)
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          float& x = s[i][2 * r + c];
-          if (!whole) {
-            const int j = t0 + 8 * i + 2 * tig + c;
-            bool visible = j < stop;
-            if (CAUSAL) visible = visible && j <= q_pos[r];
-            if (WINDOWED) visible = visible && j > q_pos[r] - window;
-            x = visible ? x : KV_NEG_INF;
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            float& x = s[u][i][2 * r + c];
+            if (!whole) {
+              const int j = t0 + 16 * u + 8 * i + 2 * tig + c;
+              bool visible = j < stop;
+              if (CAUSAL) visible = visible && j <= q_pos[r];
+              if (WINDOWED) visible = visible && j > q_pos[r] - window;
+              x = visible ? x : KV_NEG_INF;
+            }
+            tile_max = fmaxf(tile_max, x);
           }
-          tile_max = fmaxf(tile_max, x);
-        }
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
       if (tile_max > m[r]) {
@@ -440,13 +457,15 @@ SPLIT_BODY = r"""
       const float shift = m[r] == KV_NEG_INF ? 0.f : m[r];
       l[r] *= corr[r];
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
+      for (int u = 0; u < STEPS_PER_ITER; ++u)
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          float& x = s[i][2 * r + c];
-          x = exp2f(x - shift);
-          l[r] += x;
-        }
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            float& x = s[u][i][2 * r + c];
+            x = exp2f(x - shift);
+            l[r] += x;
+          }
     }
     if (__any_sync(0xffffffffu, grew)) {
       // O^T holds rows 2tig, 2tig+1 (and 8 + those): their corrections live in the lanes
@@ -462,41 +481,44 @@ SPLIT_BODY = r"""
       }
     }
 
-    // O^T += V^T P^T: P^T fragments are the S fragments (tokens 2tig, 2tig+1 | +8)
-    unsigned int p[2][2];
+    // O^T += V^T P^T per sub-step: P^T fragments are the S fragments (tokens 2tig, 2tig+1 | +8)
 #pragma unroll
-    for (int n = 0; n < (ROWS16 ? 2 : 1); ++n) {
-      p[n][0] = kv_pack(s[0][2 * n], s[0][2 * n + 1]);
-      p[n][1] = kv_pack(s[1][2 * n], s[1][2 * n + 1]);
-    }
-unsigned int va[KSTEPS][4];
+    for (int u = 0; u < STEPS_PER_ITER; ++u) {
+      unsigned int p[2][2];
 #pragma unroll
-    for (int pair = 0; pair < 2; ++pair) {
-      // pair 0 = tokens 2tig, 2tig+1 -> a0a1 (dim 2t of the chunk), a2a3 (dim 2t + 1);
-      // pair 1 = tokens 2tig+8, 2tig+9 -> a4a5, a6a7
-      unsigned int vpairs[CV];
-      kv_value_pairs<V_BITS, CV>(vpairs, cur.v[2 * pair], cur.v[2 * pair + 1]);
-      __half2 scale2[VG], scale16[VG], offset2[VG];
+      for (int n = 0; n < (ROWS16 ? 2 : 1); ++n) {
+        p[n][0] = kv_pack(s[u][0][2 * n], s[u][0][2 * n + 1]);
+        p[n][1] = kv_pack(s[u][1][2 * n], s[u][1][2 * n + 1]);
+      }
+      unsigned int va[KSTEPS][4];
 #pragma unroll
-      for (int g = 0; g < VG; ++g) {
-        scale2[g] = __floats2half2_rn(cur.vs[2 * pair][g], cur.vs[2 * pair + 1][g]);
-        scale16[g] = V_BITS == 4 ? kv_sixteenth(scale2[g]) : scale2[g];
-        offset2[g] = __floats2half2_rn(cur.vo[2 * pair][g], cur.vo[2 * pair + 1][g]);
+      for (int pair = 0; pair < 2; ++pair) {
+        // pair 0 = tokens 2tig, 2tig+1 -> a0a1 (dim 2t of the chunk), a2a3 (dim 2t + 1);
+        // pair 1 = tokens 2tig+8, 2tig+9 -> a4a5, a6a7
+        unsigned int vpairs[CV];
+        kv_value_pairs<V_BITS, CV>(vpairs, cur[u].v[2 * pair], cur[u].v[2 * pair + 1]);
+        __half2 scale2[VG], scale16[VG], offset2[VG];
+#pragma unroll
+        for (int g = 0; g < VG; ++g) {
+          scale2[g] = __floats2half2_rn(cur[u].vs[2 * pair][g], cur[u].vs[2 * pair + 1][g]);
+          scale16[g] = V_BITS == 4 ? kv_sixteenth(scale2[g]) : scale2[g];
+          offset2[g] = __floats2half2_rn(cur[u].vo[2 * pair][g], cur[u].vo[2 * pair + 1][g]);
+        }
+#pragma unroll
+        for (int t = 0; t < KSTEPS; ++t) {  // chunk dims 2t (even: scale) and 2t + 1 (odd: scale16)
+          va[t][2 * pair] = kv_dequant(vpairs[2 * t], scale2[(2 * t) * VG / CV], offset2[(2 * t) * VG / CV]);
+          va[t][2 * pair + 1] = kv_dequant(vpairs[2 * t + 1], scale16[(2 * t + 1) * VG / CV],
+                                           offset2[(2 * t + 1) * VG / CV]);
+        }
       }
 #pragma unroll
-      for (int t = 0; t < KSTEPS; ++t) {  // chunk dims 2t (even: scale) and 2t + 1 (odd: scale16)
-        va[t][2 * pair] = kv_dequant(vpairs[2 * t], scale2[(2 * t) * VG / CV], offset2[(2 * t) * VG / CV]);
-        va[t][2 * pair + 1] = kv_dequant(vpairs[2 * t + 1], scale16[(2 * t + 1) * VG / CV],
-                                         offset2[(2 * t + 1) * VG / CV]);
-      }
+      for (int n = 0; n < (ROWS16 ? 2 : 1); ++n)
+#pragma unroll
+        for (int t = 0; t < KSTEPS; ++t) kv_mma(o[n][t], va[t], p[n][0], p[n][1]);
     }
-#pragma unroll
-    for (int n = 0; n < (ROWS16 ? 2 : 1); ++n)
-#pragma unroll
-      for (int t = 0; t < KSTEPS; ++t) kv_mma(o[n][t], va[t], p[n][0], p[n][1]);
     if (ASYNC) {}
-    else if (PIPE) cur = nxt;
-    else if (t0 + STEP < stop) fetch(cur, t0 + STEP);
+    else if (PIPE) cur[0] = nxt;
+    else if (t0 + ITER < stop) fetch(cur[0], t0 + ITER);
   }
   if constexpr (ASYNC) kv_cp_wait<0>();
 

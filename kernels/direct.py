@@ -52,6 +52,7 @@ MMA_TARGET_BLOCKS = 132 * 2  # H200 sweep (docs/kernels.md): fewer, longer split
 MMA_HEAD_DIMS = (64, 128, 256)
 MMA_PIPE: bool | None = None  # prefetch the next step's page words; None: where registers allow
 MMA_STAGES: int | None = None  # cp.async ring depth; None: as many as fit (up to 4), 0: off
+MMA_SUB: int | None = None  # 16-token steps per warp iteration; None: 2 where 4 stages fit
 MMA_SHARED_BYTES = 44 * 1024  # static shared memory the rings may use (48 KB limit, less the rest)
 MMA_ENV = "KVSTORE_DIRECT_MMA"  # "0": packed pages use the lane-group kernel too
 
@@ -61,10 +62,10 @@ TUNING_ENV = "KVSTORE_DIRECT_TUNING"
 
 def apply_tuning(text: str) -> None:
     """Set launch parameters from "unroll,warps,target_blocks[,dims_per_lane[,mma_warps,
-    mma_target_blocks[,mma_pipe[,mma_stages]]]]" (benchmarks and device tests; $KVSTORE_DIRECT_TUNING is
+    mma_target_blocks[,mma_pipe[,mma_stages[,mma_sub]]]]]" (benchmarks and device tests; $KVSTORE_DIRECT_TUNING is
     applied at import)."""
     global UNROLL, NUM_WARPS, TARGET_BLOCKS, DIMS_PER_LANE, MMA_WARPS, MMA_TARGET_BLOCKS, MMA_PIPE
-    global MMA_STAGES
+    global MMA_STAGES, MMA_SUB
     values = [int(x) for x in text.split(",")]
     UNROLL, NUM_WARPS, TARGET_BLOCKS = values[:3]
     if len(values) > 3:
@@ -75,6 +76,8 @@ def apply_tuning(text: str) -> None:
         MMA_PIPE = bool(values[6])
     if len(values) > 7:
         MMA_STAGES = values[7]
+    if len(values) > 8:
+        MMA_SUB = values[8]
 
 
 if os.environ.get(TUNING_ENV):
@@ -188,7 +191,7 @@ def plan_launch(
         tuple(queries.shape), queries.dtype, tuple((tuple(p.shape), p.dtype) for p in plane_arrays),
         tuple(block_tables.shape), tuple(context_lens), layout, scale, mask, window,
         sinks is not None, UNROLL, NUM_WARPS, TARGET_BLOCKS, DIMS_PER_LANE, kernel,
-        MMA_WARPS, MMA_TARGET_BLOCKS, MMA_PIPE, MMA_STAGES,
+        MMA_WARPS, MMA_TARGET_BLOCKS, MMA_PIPE, MMA_STAGES, MMA_SUB,
     )
     cached = _PLANS.get(key)
     if cached is None:
@@ -324,6 +327,10 @@ def _build_mma_plan(
     stages = min(4, MMA_SHARED_BYTES // (MMA_WARPS * slot)) if MMA_STAGES is None else MMA_STAGES
     if shape.block_size % 16 or stages < 2:
         stages = 0
+    sub = (2 if stages >= 4 else 1) if MMA_SUB is None else MMA_SUB
+    if stages < 2 * sub:  # a warp needs its iteration's slots plus at least one iteration ahead
+        sub = 1
+    stages -= stages % sub
     split_template = [
         ("D", d),
         ("ROWS16", rows16),
@@ -340,6 +347,7 @@ def _build_mma_plan(
         ("PROBE", 0),
         ("ASYNC", stages > 0),
         ("STAGES", max(stages, 1)),
+        ("SUB", sub),
     ]
     merge_template = [("D", shape.v_head_dim), ("HAS_SINKS", sinks is not None), ("OutT", queries.dtype)]
     return LaunchPlan(

@@ -78,6 +78,32 @@ def ncu_target() -> None:
         mx.eval(cuda.launch(plan))
 
 
+def tune_only() -> None:
+    """Dense SDPA beside the tensor-core kernel's tunings at 32K and 128K, interleaved."""
+    for tokens in (32768, 131072):
+        case = make_case("k4v4-rot", head_dim=128, n_kv_heads=8, gqa=4, block_size=16,
+                         context_lens=[tokens], num_queries=1)
+        keys = mx.random.normal((1, 8, tokens, 128)).astype(mx.bfloat16)
+        values = mx.random.normal((1, 8, tokens, 128)).astype(mx.bfloat16)
+        q = case.queries.astype(mx.bfloat16)
+        mx.eval(keys, values, q)
+        for round_ in range(2):
+            dense = eval_us(lambda: mx.fast.scaled_dot_product_attention(q, keys, values, scale=128**-0.5))
+            print(f"T={tokens} round {round_}: dense {dense:.1f} us", flush=True)
+            for tuning in TUNINGS:
+                direct.apply_tuning(tuning)
+                plan = direct.plan_launch(q, case.planes, case.block_tables, case.context_lens,
+                                          case.layout, scale=128**-0.5, kernel="mma")
+                mx.eval(plan.meta)
+                us = eval_us(lambda: cuda.launch(plan))
+                print(f"  tune {tuning}: split+merge {us:.1f} us = {dense / us:.2f}x dense "
+                      f"(splits {plan.num_splits})", flush=True)
+
+
+TUNINGS = ("2,4,264,16,4,264,0,4,2", "2,4,264,16,4,264,0,4,1", "2,4,264,16,4,396,0,4,2",
+           "2,4,264,16,4,528,0,4,2", "2,4,264,16,4,198,0,4,2", "2,4,264,16,8,264,0,2,1")
+
+
 def main() -> None:
     print("device", mx.default_device())
     one = mx.zeros((1,), mx.float32)
@@ -144,4 +170,9 @@ def main() -> None:
 if __name__ == "__main__":
     import sys
 
-    ncu_target() if "--ncu" in sys.argv else main()
+    if "--ncu" in sys.argv:
+        ncu_target()
+    elif "--tune" in sys.argv:
+        tune_only()
+    else:
+        main()
