@@ -21,7 +21,11 @@ Layout of one step (one warp, tokens T0..T0+15; lane = 4 * gid + tig):
   O^T = V^T P^T  m16n8k16, M = 16 head dims, N = 8 query rows, K = the 16 tokens: the S
                fragments are the P^T operand as they are. Lane gid owns head dims
                [gid*D/8, (gid+1)*D/8) of tokens 2tig, 2tig+1, 2tig+8, 2tig+9, packed in pairs
-               of tokens per register (prmt), so values also need no shared memory.
+               of tokens per register (prmt); no dequantized tile is ever stored.
+  Page bytes   with BLOCK_SIZE % 16 == 0 each warp stages the raw bytes of its next steps
+               (codes and the four scale planes) in a shared-memory ring with cp.async,
+               zero-filling bytes past the context, and takes two steps per iteration (one
+               row-max reduction per 32 tokens); otherwise it prefetches one step in registers.
 
 Precision: queries (scaled, rotated), dequantized keys and values and probabilities are
 fp16 (11-bit significand); products accumulate in fp32. Hence the kernel serves fp16 and
