@@ -20,6 +20,10 @@ window, sinks. Everything else is routed to the partitioned path by kernels/atte
 Launch parameters come from the H200 sweep in docs/kernels.md ($KVSTORE_DIRECT_TUNING or
 apply_tuning() override them).
 
+On CUDA, packed pages with fp16/bf16 queries take the tensor-core split kernel instead
+(kernels/cuda_mma.py, planned by _build_mma_plan: 8 or 16 rows per block, 16-token warp
+steps); the partials and the merge are the same.
+
 Planes must be row-contiguous arrays (the pool's own arrays, not strided views): the
 kernel launcher would otherwise copy a whole pool plane per call.
 """
@@ -62,8 +66,8 @@ TUNING_ENV = "KVSTORE_DIRECT_TUNING"
 
 def apply_tuning(text: str) -> None:
     """Set launch parameters from "unroll,warps,target_blocks[,dims_per_lane[,mma_warps,
-    mma_target_blocks[,mma_pipe[,mma_stages[,mma_sub]]]]]" (benchmarks and device tests; $KVSTORE_DIRECT_TUNING is
-    applied at import)."""
+    mma_target_blocks[,mma_pipe[,mma_stages[,mma_sub]]]]]" (benchmarks and device tests;
+    $KVSTORE_DIRECT_TUNING is applied at import)."""
     global UNROLL, NUM_WARPS, TARGET_BLOCKS, DIMS_PER_LANE, MMA_WARPS, MMA_TARGET_BLOCKS, MMA_PIPE
     global MMA_STAGES, MMA_SUB
     values = [int(x) for x in text.split(",")]
