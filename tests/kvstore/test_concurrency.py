@@ -5,6 +5,8 @@
 - 2 processes grow a map that starts at 64 KiB to several MiB: 0 errors.
 - A process killed while it holds a read transaction leaves a stale reader slot;
   the next open clears it.
+- An open that races another process's map growth (MDB_MAP_RESIZED inside lmdb.open)
+  opens again.
 """
 
 from __future__ import annotations
@@ -82,3 +84,25 @@ def _reader_pids(store) -> set[int]:
         if fields and fields[0].isdigit():
             pids.add(int(fields[0]))
     return pids
+
+
+def test_open_retries_when_another_process_grows_the_map_during_open(tmp_path, monkeypatch):
+    """LMDB reads the map size, then py-lmdb begins a transaction inside lmdb.open; a
+    process that grows the map in between makes open raise MDB_MAP_RESIZED (seen once in
+    CI with four processes). The store opens again and adopts the new size."""
+    import lmdb
+
+    with make_store(tmp_path) as store:
+        workers.save_prefix(store, workers.IDENTITY, "ns", list(range(9)))
+    real_open, calls = lmdb.open, []
+
+    def resized_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise lmdb.MapResizedError("mdb_txn_begin: MDB_MAP_RESIZED")
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(lmdb, "open", resized_once)
+    with make_store(tmp_path) as store:
+        assert len(calls) == 2
+        assert_check_clean(store, read_data=True)
