@@ -238,18 +238,8 @@ def _build_plan(
     if not kernel_supports(layout, shape.k_head_dim, shape.v_head_dim):
         raise ValueError(f"direct kernels do not serve layout {layout} with head dims "
                          f"{shape.k_head_dim}/{shape.v_head_dim}")
-    rows = shape.rep * shape.num_queries
-    row_chunks = math.ceil(rows / ROWS_PER_BLOCK)
-    first_key = first_visible_key(context_lens, shape.num_queries, window)
-    span = shape.max_context - first_key
-    num_splits = split_count(shape.batch, shape.n_kv_heads, row_chunks, span)
-    split_tokens = math.ceil(span / num_splits)
-    num_splits = math.ceil(span / split_tokens)
-
-    meta = meta_array(
-        (rows, shape.num_queries, split_tokens, window or 0, first_key, row_chunks,
-         float_bits(scale), *context_lens)
-    )
+    num_splits, row_chunks, meta = _split_plan(shape, context_lens, window, scale, ROWS_PER_BLOCK,
+                                               TARGET_BLOCKS, align=1)
     causal = shape.num_queries > 1 and (mask == "causal" or window is not None)
     unroll = UNROLL if layout.packed or planes["k"].dtype != mx.float32 else max(1, UNROLL // 2)
     num_warps = NUM_WARPS if shape.k_head_dim <= 256 else 4  # shared memory: groups * rows * D
@@ -270,16 +260,41 @@ def _build_plan(
     ]
     if not layout.packed:
         split_template.append(("KvT", planes["k"].dtype))
-    has_sinks = sinks is not None
-    merge_template = [("D", shape.v_head_dim), ("HAS_SINKS", has_sinks), ("OutT", queries.dtype)]
+    return _launch_plan("lane", layout, shape, queries, sinks, num_splits, row_chunks, meta,
+                        num_warps * 32, split_template)
+
+
+def _split_plan(shape, context_lens: list[int], window: int | None, scale: float,
+                rows_per_block: int, target_blocks: int, *, align: int) -> tuple[int, int, mx.array]:
+    """(splits, row chunks, meta) of a call: the visible span [first_key, max_context) cut
+    into equal splits, first_key and the split size rounded to `align` tokens (earlier
+    keys are masked by position), and the per-call scalars of the split kernels."""
+    rows = shape.rep * shape.num_queries
+    row_chunks = math.ceil(rows / rows_per_block)
+    first_key = first_visible_key(context_lens, shape.num_queries, window) // align * align
+    span = shape.max_context - first_key
+    num_splits = split_count(shape.batch, shape.n_kv_heads, row_chunks, span, target_blocks)
+    split_tokens = math.ceil(math.ceil(span / num_splits) / align) * align
+    num_splits = math.ceil(span / split_tokens)
+    meta = meta_array(
+        (rows, shape.num_queries, split_tokens, window or 0, first_key, row_chunks,
+         float_bits(scale), *context_lens)
+    )
+    return num_splits, row_chunks, meta
+
+
+def _launch_plan(kernel: str, layout: PageLayout, shape, queries: mx.array, sinks, num_splits: int,
+                 row_chunks: int, meta: mx.array, threads: int, split_template: list) -> LaunchPlan:
+    """The LaunchPlan both split kernels share the merge and partial layout of."""
+    merge_template = [("D", shape.v_head_dim), ("HAS_SINKS", sinks is not None), ("OutT", queries.dtype)]
     return LaunchPlan(
         packed=layout.packed,
-        kernel="lane",
+        kernel=kernel,
         batch=shape.batch,
         head_dim=shape.k_head_dim,
         num_splits=num_splits,
         grid_y=shape.n_kv_heads * row_chunks,
-        threads=num_warps * 32,
+        threads=threads,
         split_inputs=[],
         split_template=split_template,
         merge_template=merge_template,
@@ -310,19 +325,9 @@ def _build_mma_plan(
     if not mma_serves(layout, shape.k_head_dim, shape.v_head_dim, queries.dtype):
         raise ValueError(f"the tensor-core kernel does not serve layout {layout} with head dims "
                          f"{shape.k_head_dim}/{shape.v_head_dim} and {queries.dtype} queries")
-    rows = shape.rep * shape.num_queries
-    rows16 = rows > 8 and shape.k_head_dim <= 128
-    rows_per_block = 16 if rows16 else 8
-    row_chunks = math.ceil(rows / rows_per_block)
-    first_key = first_visible_key(context_lens, shape.num_queries, window) // 16 * 16
-    span = shape.max_context - first_key
-    num_splits = split_count(shape.batch, shape.n_kv_heads, row_chunks, span, MMA_TARGET_BLOCKS)
-    split_tokens = math.ceil(math.ceil(span / num_splits) / 16) * 16
-    num_splits = math.ceil(span / split_tokens)
-    meta = meta_array(
-        (rows, shape.num_queries, split_tokens, window or 0, first_key, row_chunks,
-         float_bits(scale), *context_lens)
-    )
+    rows16 = shape.rep * shape.num_queries > 8 and shape.k_head_dim <= 128
+    num_splits, row_chunks, meta = _split_plan(shape, context_lens, window, scale, 16 if rows16 else 8,
+                                               MMA_TARGET_BLOCKS, align=16)
     causal = shape.num_queries > 1 and (mask == "causal" or window is not None)
     d = shape.k_head_dim
     raw_words = 2 * (d // 4) * layout.k_bits // 32 + 4 * (d // 8) * layout.v_bits // 32
@@ -353,24 +358,8 @@ def _build_mma_plan(
         ("STAGES", max(stages, 1)),
         ("SUB", sub),
     ]
-    merge_template = [("D", shape.v_head_dim), ("HAS_SINKS", sinks is not None), ("OutT", queries.dtype)]
-    return LaunchPlan(
-        packed=True,
-        kernel="mma",
-        batch=shape.batch,
-        head_dim=d,
-        num_splits=num_splits,
-        grid_y=shape.n_kv_heads * row_chunks,
-        threads=MMA_WARPS * 32,
-        split_inputs=[],
-        split_template=split_template,
-        merge_template=merge_template,
-        meta=meta,
-        sinks=None,
-        partial_shape=(shape.batch * shape.n_q_heads * shape.num_queries, num_splits),
-        output_shape=(shape.batch, shape.n_q_heads, shape.num_queries, shape.v_head_dim),
-        output_dtype=queries.dtype,
-    )
+    return _launch_plan("mma", layout, shape, queries, sinks, num_splits, row_chunks, meta,
+                        MMA_WARPS * 32, split_template)
 
 
 def run_split_merge(plan: LaunchPlan, split_kernel, merge_kernel) -> mx.array:
