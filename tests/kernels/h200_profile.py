@@ -10,36 +10,28 @@ an empty kernel (the launch floor); then the tensor-core kernel's launch paramet
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import mlx.core as mx
 
 from kernels import cuda, cuda_mma, direct
 from tests.kernels.pages import make_case
+from tools.bench.attention import timed
 
 INNER = 20
 TUNE = True
 
 
 def eval_us(fn, repeats: int = 9) -> float:
-    mx.eval([fn() for _ in range(INNER)])
-    samples = []
-    for _ in range(repeats):
-        outs = [fn() for _ in range(INNER)]
-        mx.synchronize()
-        t = time.perf_counter()
-        mx.eval(outs)
-        mx.synchronize()
-        samples.append((time.perf_counter() - t) / INNER)
-    return statistics.median(samples) * 1e6
+    """Median microseconds per call, graphs built before the clock (the benchmark's "eval")."""
+    return timed(fn, repeats, INNER)[0] * 1e6
 
 
-STREAM = mx.fast.cuda_kernel(
-    name="kvstore_stream_read",
-    input_names=["a", "b", "c", "d", "e", "f"],
-    output_names=["out"],
-    source=r"""
+def stream_kernel():
+    """A plain streaming read of every page plane (the bandwidth floor of this launch path)."""
+    return mx.fast.cuda_kernel(
+        name="kvstore_stream_read",
+        input_names=["a", "b", "c", "d", "e", "f"],
+        output_names=["out"],
+        source=r"""
   const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
   const size_t stride = (size_t)gridDim.x * blockDim.x;
   unsigned int acc = 0;
@@ -62,10 +54,12 @@ STREAM = mx.fast.cuda_kernel(
   if (acc == 0x12345678u && facc == 1.2345f) out[0] = 1.f;
   if (tid == 0) out[1] = 0.f;
 """,
-)
+    )
 
-EMPTY = mx.fast.cuda_kernel(name="kvstore_empty", input_names=["a"], output_names=["out"],
-                            source="  if (threadIdx.x == 0 && blockIdx.x == 0) out[0] = a[0];")
+
+def empty_kernel():
+    return mx.fast.cuda_kernel(name="kvstore_empty", input_names=["a"], output_names=["out"],
+                               source="  if (threadIdx.x == 0 && blockIdx.x == 0) out[0] = a[0];")
 
 
 def ncu_target() -> None:
@@ -106,6 +100,7 @@ TUNINGS = ("2,4,264,16,4,264,0,4,2", "2,4,264,16,4,264,0,4,1", "2,4,264,16,4,396
 
 def main() -> None:
     print("device", mx.default_device())
+    STREAM, EMPTY = stream_kernel(), empty_kernel()
     one = mx.zeros((1,), mx.float32)
     print(f"empty kernel: {eval_us(lambda: EMPTY(inputs=[one], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.float32])[0]):.1f} us")
     for tokens in (4096, 32768, 131072, 262144):
