@@ -77,11 +77,25 @@ __device__ __forceinline__ int kv_key_pair_dim(int h, int e) {
 }
 // 4 bits, odd h: the nibble is taken in place (bits 4-7 of each half), so the pair holds
 // 1024 + 16 * code and dequantizes with scale / 16 (kv_sixteenth): one shift per two pairs.
+// (x & MASK) | 0x64006400 as one lop3 (the compiler emits an and and an or for the C form)
+template <unsigned int MASK>
+__device__ __forceinline__ unsigned int kv_bias_codes(unsigned int x) {
+  unsigned int r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(x), "n"(MASK), "n"(0x64006400u));
+  return r;
+}
+// 2^x (MUFU.EX2; -inf -> 0), independent of the JIT's fast-math setting
+__device__ __forceinline__ float kv_exp2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+  return r;
+}
+
 template <int BITS>
 __device__ __forceinline__ unsigned int kv_key_pair(const unsigned int* w, int h) {
   if constexpr (BITS == 4) {
     const unsigned int x = (h & 2) ? w[h >> 2] >> 8 : w[h >> 2];
-    return (x & ((h & 1) ? 0x00F000F0u : 0x000F000Fu)) | 0x64006400u;
+    return (h & 1) ? kv_bias_codes<0x00F000F0u>(x) : kv_bias_codes<0x000F000Fu>(x);
   } else {
     return __byte_perm(w[h >> 1], 0x64646464u, (h & 1) ? 0x4342 : 0x4140);
   }
@@ -99,9 +113,9 @@ __device__ __forceinline__ void kv_value_pairs(unsigned int (&out)[CV], const un
       const unsigned int hi = __byte_perm(wa[w], wb[w], 0x7632);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {  // odd e: 1024 + 16 * code, as for keys
-        const unsigned int mask = (e & 1) ? 0x00F000F0u : 0x000F000Fu;
-        out[8 * w + e] = (((e & 2) ? lo >> 8 : lo) & mask) | 0x64006400u;
-        out[8 * w + 4 + e] = (((e & 2) ? hi >> 8 : hi) & mask) | 0x64006400u;
+        const unsigned int a = (e & 2) ? lo >> 8 : lo, b = (e & 2) ? hi >> 8 : hi;
+        out[8 * w + e] = (e & 1) ? kv_bias_codes<0x00F000F0u>(a) : kv_bias_codes<0x000F000Fu>(a);
+        out[8 * w + 4 + e] = (e & 1) ? kv_bias_codes<0x00F000F0u>(b) : kv_bias_codes<0x000F000Fu>(b);
       }
     }
   } else {
@@ -121,6 +135,10 @@ __device__ __forceinline__ void kv_value_pairs(unsigned int (&out)[CV], const un
 __device__ __forceinline__ void kv_cp16(void* dst, const void* src, int valid) {
   const unsigned int to = static_cast<unsigned int>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(src), "r"(valid));
+}
+// the same, all 16 bytes, to a shared-window address
+__device__ __forceinline__ void kv_cp16_full(unsigned int to, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(src));
 }
 __device__ __forceinline__ void kv_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -303,20 +321,44 @@ SPLIT_BODY = r"""
   // each plane's run is contiguous in global memory; bytes of tokens >= stop are zero-filled
   // (zero codes and scales dequantize to 0, never to a NaN from an unwritten slot)
   uint8_t* ring = sh_raw + warp * (ASYNC ? STAGES * SLOT : 0);
+  // A whole step (16 live tokens) is KROW + VROW + 16 * GROUPS pieces of 16 bytes; lane l
+  // copies pieces l, l + 32, ... of each run, so its sources are fixed offsets from the
+  // step's page: codes at 16 * l (+ 512 r), scale piece p = l + 32 r of plane p / (4 * GROUPS)
+  // at 16 * (p % (4 * GROUPS)); in the slot, piece p of the scale planes lands at 16 * p.
+  constexpr int SPIECES = 16 * GROUPS;
+  constexpr int SPL = (SPIECES + 31) / 32;
+  const unsigned int ring_s = static_cast<unsigned int>(__cvta_generic_to_shared(ring));
+  const uint8_t* s_from[SPL];
+#pragma unroll
+  for (int r = 0; r < SPL; ++r) {
+    const int piece = min(lane + 32 * r, SPIECES - 1), plane = piece / (4 * GROUPS);
+    const float* base = plane == 0 ? ks : plane == 1 ? ko : plane == 2 ? vs : vo;
+    s_from[r] = reinterpret_cast<const uint8_t*>(base) + 16 * (piece % (4 * GROUPS));
+  }
   auto issue = [&](int slot, int t) {
-    uint8_t* dst = ring + slot * SLOT;
     const size_t at = page_at(min(t, stop - 1));  // a step past the end: its bytes are all zero-filled
     const int live = stop - t;  // tokens of this step that exist (<= 0: none)
-    // one plane's run of 16 tokens: ROW bytes per token, 16-byte pieces spread over the lanes
-    auto copy_run = [&](uint8_t* to, const uint8_t* from, int row) {
-      if (live >= 16) {  // every step but a split's last
+    if (live >= 16) {  // every step but a split's last
+      const unsigned int to = ring_s + slot * SLOT + 16 * lane;
+      const uint8_t* k = kc + at * KROW + 16 * lane;
+      const uint8_t* v = vc + at * VROW + 16 * lane;
 #pragma unroll
-        for (int c = lane; c < row; c += 32) kv_cp16(to + 16 * c, from + 16 * c, 16);
-      } else {
-        for (int c = lane; c < row; c += 32) {  // row = 16 * ROW / 16 pieces
-          const int valid = min(16, max(0, live * row - 16 * c));
-          kv_cp16(to + 16 * c, valid > 0 ? from + 16 * c : from, valid);
-        }
+      for (int r = 0; r < KROW / 32; ++r) kv_cp16_full(to + 512 * r, k + 512 * r);
+#pragma unroll
+      for (int r = 0; r < VROW / 32; ++r) kv_cp16_full(to + 16 * KROW + 512 * r, v + 512 * r);
+#pragma unroll
+      for (int r = 0; r < SPL; ++r)
+        if (SPIECES % 32 == 0 || lane + 32 * r < SPIECES)
+          kv_cp16_full(to + 16 * (KROW + VROW) + 512 * r, s_from[r] + at * SROW);
+      return;
+    }
+    uint8_t* dst = ring + slot * SLOT;
+    // one plane's run of 16 tokens: ROW bytes per token, 16-byte pieces spread over the lanes,
+    // the bytes of tokens past the context zero-filled
+    auto copy_run = [&](uint8_t* to, const uint8_t* from, int row) {
+      for (int c = lane; c < row; c += 32) {  // row = 16 * ROW / 16 pieces
+        const int valid = min(16, max(0, live * row - 16 * c));
+        kv_cp16(to + 16 * c, valid > 0 ? from + 16 * c : from, valid);
       }
     };
     copy_run(dst, kc + at * KROW, KROW);
@@ -454,7 +496,7 @@ SPLIT_BODY = r"""
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
       if (tile_max > m[r]) {
-        corr[r] = exp2f(m[r] - tile_max);
+        corr[r] = kv_exp2(m[r] - tile_max);
         m[r] = tile_max;
         grew = true;
       }
@@ -467,7 +509,7 @@ SPLIT_BODY = r"""
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             float& x = s[u][i][2 * r + c];
-            x = exp2f(x - shift);
+            x = kv_exp2(x - shift);
             l[r] += x;
           }
     }
