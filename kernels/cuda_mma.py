@@ -23,14 +23,32 @@ Layout of one step (one warp, tokens T0..T0+15; lane = 4 * gid + tig):
                [gid*D/8, (gid+1)*D/8) of tokens 2tig, 2tig+1, 2tig+8, 2tig+9, packed in pairs
                of tokens per register (prmt); no dequantized tile is ever stored.
   Page bytes   with BLOCK_SIZE % 16 == 0 each warp stages the raw bytes of its next steps
-               (codes and the four scale planes) in a shared-memory ring with cp.async,
-               zero-filling bytes past the context, and takes two steps per iteration (one
-               row-max reduction per 32 tokens); otherwise it prefetches one step in registers.
+               (codes and the four scale planes) in a shared-memory ring with cp.async (a
+               whole step is a fixed set of 16-byte pieces per lane; a split's last step
+               zero-fills bytes past the context), and with per-pair dequantization takes two
+               steps per iteration (one row-max reduction per 32 tokens); without rings it
+               prefetches one step in registers.
 
-Precision: queries (scaled, rotated), dequantized keys and values and probabilities are
-fp16 (11-bit significand); products accumulate in fp32. Hence the kernel serves fp16 and
-bf16 queries only; float32 queries keep the fp32 lane-group kernel (tolerance 2e-4).
-Dequantized K/V must fit fp16 (|x| < 65504).
+Raw codes (RAW; direct.raw_codes_serve: the rings, head dim <= 128, a lane's share of a
+group whole words): the mma takes the codes as they come out of lop3/prmt, and the scale and
+offset are applied per quantization group outside it: key pairs pay neither hsub2 nor
+hfma2, value pairs one hsub2. Per group and step that costs a few FFMAs and one extra mma:
+  keys     the head dim is permuted so that each k-step lies in one group; per group g an
+           accumulator starts at -1024 * sum(q) (what the 1024 of every code adds; odd 4-bit
+           pairs are 16x codes, their queries are divided by 16), and per token
+           s = sum_g scale_g * acc_g + offset_g * sum_g(q).
+  values   each O^T m-tile lies in one group; the codes are centered with one hsub2 (c - 8,
+           16 (c - 8) or c - 128) so the fp32 accumulators stay near the size of the result,
+           the probabilities are scaled per group (P * scale_g) for the B operand, and a
+           second mma per group adds (offset_g + center * scale_g) * P.
+The 1024 bias is not left in the value accumulators: over a split of thousands of tokens
+the output (a small average of many values) was lost to fp32 rounding
+(tests/kernels/test_attention.py::test_long_splits_keep_relative_precision).
+
+Precision: queries (scaled, rotated), dequantized keys and values (raw: centered codes) and
+probabilities are fp16 (11-bit significand); products accumulate in fp32. Hence the kernel
+serves fp16 and bf16 queries only; float32 queries keep the fp32 lane-group kernel
+(tolerance 2e-4). Dequantized K/V must fit fp16 (|x| < 65504).
 """
 
 from __future__ import annotations
@@ -168,8 +186,9 @@ __device__ __forceinline__ unsigned int kv_dequant(unsigned int biased, __half2 
 
 # Template: D, ROWS16, NUM_WARPS, BLOCK_SIZE, K_BITS, V_BITS, GROUP, CAUSAL, WINDOWED, ROTATE,
 # TABLE_CAP, ASYNC + STAGES (cp.async rings of raw page bytes in shared memory, for
-# BLOCK_SIZE % 16 == 0), SUB (16-token steps per warp iteration; STAGES is a multiple), PROBE (0; profiling cuts, tests/kernels/h200_profile.py), PIPE (prefetch the next step's raw words; off where they would not fit in
-# registers). meta as the lane-group kernel's (kernels/cuda.py), with first_key
+# BLOCK_SIZE % 16 == 0), SUB (16-token steps per warp iteration; STAGES is a multiple), PROBE
+# (0; profiling cuts, tests/kernels/h200_profile.py), PIPE (prefetch the next step's raw words;
+# off where they would not fit in registers), RAW (codes into the mma; see the module doc). meta as the lane-group kernel's (kernels/cuda.py), with first_key
 # rounded down to a multiple of 16 and split_tokens a multiple of 16 (direct.py plans it).
 SPLIT_BODY = r"""
   constexpr int RM = ROWS16 ? 16 : 8;      // query rows of this block
@@ -181,6 +200,12 @@ SPLIT_BODY = r"""
   constexpr int GROUPS = D / GROUP;        // scale/offset entries per token
   constexpr int KG = C > GROUP ? C / GROUP : 1;
   constexpr int VG = CV > GROUP ? CV / GROUP : 1;
+  // RAW: the mma takes the codes as they are (1024 + code, or 1024 + 16 * code) and the
+  // scale and offset are applied per quantization group outside it (see the module doc)
+  constexpr int KSG = GROUP >= 16 ? GROUP / 16 : 1;  // RAW: k-steps (and O^T m-tiles) per group
+  constexpr int KWG = GROUP * K_BITS / 128;      // RAW: key words per token, lane and group
+  constexpr int VWG = GROUP * V_BITS / 256;      // RAW: value words per token, lane and group
+  constexpr int RG = RAW ? GROUPS : 1;           // per-group accumulators (1 unless RAW)
   constexpr float LOG2E = 1.4426950408889634f;
   if (PROBE == 1) return;  // profiling: the launch alone
 
@@ -248,18 +273,50 @@ SPLIT_BODY = r"""
     }
   }
 
-  // query fragments (A of S = Q K^T), head dims permuted as this lane's key pairs
+  // query fragments (A of S = Q K^T), head dims permuted as this lane's key pairs: lane tig
+  // owns the quarter [tig*C, (tig+1)*C) of the head, or with RAW the quarter
+  // [g*GROUP + tig*GROUP/4, ..) of each group g, k-steps g*KSG .. g*KSG + KSG - 1 lying in
+  // group g. With RAW and 4-bit keys the odd pairs (b1) hold 1024 + 16 * code, so their
+  // queries are divided by 16 (exact in fp16).
   unsigned int qa[KSTEPS][4];
+  constexpr float ODD_Q = (RAW && K_BITS == 4) ? 0.0625f : 1.f;
 #pragma unroll
   for (int ks = 0; ks < KSTEPS; ++ks) {
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
-      const int d0 = tig * C + kv_key_pair_dim<K_BITS>(2 * ks + s, 0);
-      const int d1 = tig * C + kv_key_pair_dim<K_BITS>(2 * ks + s, 1);
-      qa[ks][2 * s] = kv_pack(sh_q[gid][d0] * qscale, sh_q[gid][d1] * qscale);
-      qa[ks][2 * s + 1] = ROWS16 ? kv_pack(sh_q[gid + 8][d0] * qscale, sh_q[gid + 8][d1] * qscale) : 0u;
+      const int base = RAW ? (ks / KSG) * GROUP + tig * (GROUP / 4) : tig * C;
+      const int h = RAW ? 2 * (ks % KSG) + s : 2 * ks + s;
+      const int d0 = base + kv_key_pair_dim<K_BITS>(h, 0);
+      const int d1 = base + kv_key_pair_dim<K_BITS>(h, 1);
+      const float f = (s ? ODD_Q : 1.f) * qscale;
+      qa[ks][2 * s] = kv_pack(sh_q[gid][d0] * f, sh_q[gid][d1] * f);
+      qa[ks][2 * s + 1] = ROWS16 ? kv_pack(sh_q[gid + 8][d0] * f, sh_q[gid + 8][d1] * f) : 0u;
     }
   }
+  // RAW: per group g and row (gid, gid + 8): kbias = -(what the mma adds for the 1024 of every
+  // code) = -1024 * sum of the fp16 queries as the mma sees them (the accumulators start
+  // there), qsum = sum of the queries each code stands for (times the group's offset)
+  float kbias[RG][2], qsum[RG][2];
+#pragma unroll
+  for (int g = 0; g < RG; ++g)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float b = 0.f, q = 0.f;
+#pragma unroll
+      for (int j = 0; j < (RAW ? KSG : 0); ++j)
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          const float2 x = __half22float2(kv_u2h(qa[g * KSG + j][2 * s + r]));
+          b += x.x + x.y;
+          q += (s ? 1.f / ODD_Q : 1.f) * (x.x + x.y);
+        }
+      b += __shfl_xor_sync(0xffffffffu, b, 1);
+      b += __shfl_xor_sync(0xffffffffu, b, 2);
+      q += __shfl_xor_sync(0xffffffffu, q, 1);
+      q += __shfl_xor_sync(0xffffffffu, q, 2);
+      kbias[g][r] = -1024.f * b;
+      qsum[g][r] = q;
+    }
   __syncthreads();  // sh_q is read; the rings may overwrite it
 
   // positions of the rows this lane scores: gid (and gid + 8)
@@ -270,12 +327,20 @@ SPLIT_BODY = r"""
   float m[2] = {KV_NEG_INF, KV_NEG_INF};
   float l[2] = {0.f, 0.f};
   float o[ROWS16 ? 2 : 1][KSTEPS][4];
+  // RAW: per group, the sum of P * (offset + center * scale) (voff), in the layout of O^T
+  // (every row of the tile the same)
+  float voff[ROWS16 ? 2 : 1][RG][4];
 #pragma unroll
-  for (int n = 0; n < (ROWS16 ? 2 : 1); ++n)
+  for (int n = 0; n < (ROWS16 ? 2 : 1); ++n) {
 #pragma unroll
     for (int t = 0; t < KSTEPS; ++t)
 #pragma unroll
       for (int c = 0; c < 4; ++c) o[n][t][c] = 0.f;
+#pragma unroll
+    for (int g = 0; g < RG; ++g)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) voff[n][g][c] = 0.f;
+  }
 
   // raw page words of one step: keys of tokens gid, 8 + gid (this lane's quarter of the
   // head dims), values of tokens 2tig, 2tig+1, 2tig+8, 2tig+9 (this lane's eighth)
@@ -286,7 +351,7 @@ SPLIT_BODY = r"""
     float vs[4][VG], vo[4][VG];
   };
   auto page_at = [&](int j) -> size_t {
-    const int e = j / BLOCK_SIZE - first_block;
+    const int e = static_cast<int>(static_cast<unsigned int>(j) / BLOCK_SIZE) - first_block;  // j >= 0
     const int block = e < TABLE_CAP ? sh_table[e] : block_tables[batch * table_width + j / BLOCK_SIZE];
     return ((size_t)block * num_kv_heads + head) * BLOCK_SIZE + (j % BLOCK_SIZE);
   };
@@ -377,6 +442,12 @@ SPLIT_BODY = r"""
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int j = gid + 8 * i;
+      if constexpr (RAW) {
+#pragma unroll
+        for (int g = 0; g < GROUPS; ++g)
+          kv_words_shared<KWG>(raw.k[i] + g * KWG, base + j * KROW + (g * GROUP + tig * (GROUP / 4)) * K_BITS / 8);
+        continue;
+      }
       kv_words_shared<KW>(raw.k[i], base + j * KROW + tig * (C * K_BITS / 8));
 #pragma unroll
       for (int g = 0; g < KG; ++g) {
@@ -387,6 +458,12 @@ SPLIT_BODY = r"""
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int j = 2 * tig + (i & 1) + 8 * (i >> 1);
+      if constexpr (RAW) {
+#pragma unroll
+        for (int g = 0; g < GROUPS; ++g)
+          kv_words_shared<VWG>(raw.v[i] + g * VWG, base + 16 * KROW + j * VROW + (g * GROUP + gid * (GROUP / 8)) * V_BITS / 8);
+        continue;
+      }
       kv_words_shared<VW>(raw.v[i], base + 16 * KROW + j * VROW + gid * (CV * V_BITS / 8));
 #pragma unroll
       for (int g = 0; g < VG; ++g) {
@@ -406,7 +483,7 @@ SPLIT_BODY = r"""
   int t0 = start + warp * SPAN;
   auto issue_iteration = [&](int iteration, int t) {
 #pragma unroll
-    for (int u = 0; u < STEPS_PER_ITER; ++u) issue((iteration * STEPS_PER_ITER + u) % STAGES, t + 16 * u);
+    for (int u = 0; u < STEPS_PER_ITER; ++u) issue(static_cast<unsigned int>(iteration * STEPS_PER_ITER + u) % STAGES, t + 16 * u);
   };
   if constexpr (ASYNC) {
 #pragma unroll
@@ -427,7 +504,7 @@ SPLIT_BODY = r"""
       kv_cp_wait<AHEAD>();
       __syncwarp();
 #pragma unroll
-      for (int u = 0; u < STEPS_PER_ITER; ++u) load_slot(cur[u], (iteration * STEPS_PER_ITER + u) % STAGES);
+      for (int u = 0; u < STEPS_PER_ITER; ++u) load_slot(cur[u], static_cast<unsigned int>(iteration * STEPS_PER_ITER + u) % STAGES);
     } else if (PIPE && t0 + ITER < stop) {
       fetch(nxt, t0 + ITER);
     }
@@ -435,9 +512,9 @@ SPLIT_BODY = r"""
 #pragma unroll
       for (int u = 0; u < STEPS_PER_ITER; ++u) {
 #pragma unroll
-        for (int i = 0; i < 2; ++i) probe_sink ^= cur[u].k[i][0] ^ __float_as_uint(cur[u].ks[i][0]) ^ __float_as_uint(cur[u].ko[i][0]);
+        for (int i = 0; i < 2; ++i) probe_sink ^= cur[u].k[i][0] ^ (RAW ? 0u : __float_as_uint(cur[u].ks[i][0]) ^ __float_as_uint(cur[u].ko[i][0]));
 #pragma unroll
-        for (int i = 0; i < 4; ++i) probe_sink ^= cur[u].v[i][0] ^ __float_as_uint(cur[u].vs[i][0]) ^ __float_as_uint(cur[u].vo[i][0]);
+        for (int i = 0; i < 4; ++i) probe_sink ^= cur[u].v[i][0] ^ (RAW ? 0u : __float_as_uint(cur[u].vs[i][0]) ^ __float_as_uint(cur[u].vo[i][0]));
       }
       if (ASYNC) {}
       else if (PIPE) cur[0] = nxt;
@@ -445,12 +522,41 @@ SPLIT_BODY = r"""
       continue;
     }
 
+    // RAW: the four scale planes of sub-step u's slot ([token][group] floats each)
+    auto scales = [&](int u) -> const float* {
+      return reinterpret_cast<const float*>(ring + (static_cast<unsigned int>(iteration * STEPS_PER_ITER + u) % STAGES) * SLOT + 16 * (KROW + VROW));
+    };
     // S = Q K^T: sub-step u, n-tile i holds tokens t0 + 16u + 8i + n
     float s[STEPS_PER_ITER][2][4];
 #pragma unroll
     for (int u = 0; u < STEPS_PER_ITER; ++u)
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
+        if constexpr (RAW) {
+          // acc[g] = sum over group g of q * code, started at kbias; then per token
+          // s = sum_g scale_g * acc[g] + offset_g * qsum_g
+          float acc[RG][4];
+#pragma unroll
+          for (int g = 0; g < RG; ++g) {
+            acc[g][0] = acc[g][1] = kbias[g][0];
+            acc[g][2] = acc[g][3] = kbias[g][1];
+#pragma unroll
+            for (int j = 0; j < KSG; ++j)
+              kv_mma(acc[g], qa[g * KSG + j], kv_key_pair<K_BITS>(cur[u].k[i] + g * KWG, 2 * j),
+                     kv_key_pair<K_BITS>(cur[u].k[i] + g * KWG, 2 * j + 1));
+          }
+          const float* sks = scales(u);
+          const float* sko = sks + 16 * GROUPS;
+#pragma unroll
+          for (int c = 0; c < (ROWS16 ? 4 : 2); ++c) {
+            const int j = 8 * i + 2 * tig + (c & 1);
+            float x = 0.f;
+#pragma unroll
+            for (int g = 0; g < RG; ++g) x = fmaf(sks[j * GROUPS + g], acc[g][c], fmaf(sko[j * GROUPS + g], qsum[g][c >> 1], x));
+            s[u][i][c] = x;
+          }
+          continue;
+        }
         __half2 scale2[KG], scale16[KG], offset2[KG];
 #pragma unroll
         for (int g = 0; g < KG; ++g) {
@@ -524,6 +630,10 @@ SPLIT_BODY = r"""
         for (int t = 0; t < KSTEPS; ++t) {
           o[n][t][0] *= c_lo; o[n][t][1] *= c_hi; o[n][t][2] *= c_lo; o[n][t][3] *= c_hi;
         }
+#pragma unroll
+        for (int g = 0; g < (RAW ? RG : 0); ++g) {
+          voff[n][g][0] *= c_lo; voff[n][g][1] *= c_hi; voff[n][g][2] *= c_lo; voff[n][g][3] *= c_hi;
+        }
       }
     }
 
@@ -535,6 +645,53 @@ SPLIT_BODY = r"""
       for (int n = 0; n < (ROWS16 ? 2 : 1); ++n) {
         p[n][0] = kv_pack(s[u][0][2 * n], s[u][0][2 * n + 1]);
         p[n][1] = kv_pack(s[u][1][2 * n], s[u][1][2 * n + 1]);
+      }
+      if constexpr (RAW) {
+        // per group g: O^T += (codes - center)^T (P * scale_g)^T and voff += (offset_g + center *
+        // scale_g) P, center = 8 (4 bits, codes taken 16x) or 128 (8 bits). Centered codes keep
+        // the fp32 accumulators near the size of the result: with the codes' 1024 bias left in
+        // and subtracted at the end, a 32K-token split lost the output to rounding (k8v8 at
+        // 128K: 14% off the reference, measured on the H200)
+        const float* svs = scales(u) + 32 * GROUPS;
+        const float* svo = svs + 16 * GROUPS;
+        const int j0 = 2 * tig, j1 = 2 * tig + 8;
+#pragma unroll
+        for (int g = 0; g < RG; ++g) {
+          const float s0 = svs[j0 * GROUPS + g], s1 = svs[(j0 + 1) * GROUPS + g];
+          const float s2 = svs[j1 * GROUPS + g], s3 = svs[(j1 + 1) * GROUPS + g];
+          unsigned int pg[2][2];
+#pragma unroll
+          for (int n = 0; n < (ROWS16 ? 2 : 1); ++n) {
+            pg[n][0] = kv_pack(s[u][0][2 * n] * s0, s[u][0][2 * n + 1] * s1);
+            pg[n][1] = kv_pack(s[u][1][2 * n] * s2, s[u][1][2 * n + 1] * s3);
+          }
+          constexpr float CENTER = V_BITS == 4 ? 8.f : 128.f;
+          const unsigned int ox = kv_pack(fmaf(CENTER, s0, svo[j0 * GROUPS + g]), fmaf(CENTER, s1, svo[(j0 + 1) * GROUPS + g]));
+          const unsigned int oy = kv_pack(fmaf(CENTER, s2, svo[j1 * GROUPS + g]), fmaf(CENTER, s3, svo[(j1 + 1) * GROUPS + g]));
+          const unsigned int oa[4] = {ox, ox, oy, oy};
+          unsigned int vp[2][GROUP / 8];
+#pragma unroll
+          for (int pair = 0; pair < 2; ++pair)
+            kv_value_pairs<V_BITS, GROUP / 8>(vp[pair], cur[u].v[2 * pair] + g * VWG, cur[u].v[2 * pair + 1] + g * VWG);
+          // centered: 4 bits, even dims 1024 + c - 1032 = c - 8, odd dims 1024 + 16c - 1152 =
+          // 16 (c - 8); 8 bits 1024 + c - 1152 = c - 128 (all exact in fp16)
+#pragma unroll
+          for (int pair = 0; pair < 2; ++pair)
+#pragma unroll
+            for (int k = 0; k < GROUP / 8; ++k)
+              vp[pair][k] = kv_h2u(__hsub2(kv_u2h(vp[pair][k]), kv_u2h(V_BITS == 4 && k % 2 == 0 ? 0x64086408u : 0x64806480u)));
+#pragma unroll
+          for (int j = 0; j < KSG; ++j) {
+            const unsigned int va[4] = {vp[0][2 * j], vp[0][2 * j + 1], vp[1][2 * j], vp[1][2 * j + 1]};
+#pragma unroll
+            for (int n = 0; n < (ROWS16 ? 2 : 1); ++n) kv_mma(o[n][g * KSG + j], va, pg[n][0], pg[n][1]);
+          }
+#pragma unroll
+          for (int n = 0; n < (ROWS16 ? 2 : 1); ++n) {
+            kv_mma(voff[n][g], oa, p[n][0], p[n][1]);
+          }
+        }
+        continue;
       }
       unsigned int va[KSTEPS][4];
 #pragma unroll
@@ -587,6 +744,14 @@ SPLIT_BODY = r"""
   for (int n = 0; n < (ROWS16 ? 2 : 1); ++n)
 #pragma unroll
     for (int t = 0; t < KSTEPS; ++t) {
+      if constexpr (RAW) {  // O^T rows: dims g*GROUP + gid*GROUP/8 + 2j (+1); odd dims were 16x (4 bits)
+        const int g = t / KSG, d = g * GROUP + gid * (GROUP / 8) + 2 * (t % KSG);
+        constexpr float INV = V_BITS == 4 ? 0.0625f : 1.f;
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          sh_o[warp][8 * n + 2 * tig + (c & 1)][d + (c >> 1)] = fmaf(o[n][t][c], (c >> 1) ? INV : 1.f, voff[n][g][c]);
+        continue;
+      }
       const int d = gid * CV + 2 * t;
       sh_o[warp][8 * n + 2 * tig][d] = o[n][t][0];
       sh_o[warp][8 * n + 2 * tig + 1][d] = o[n][t][1];

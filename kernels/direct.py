@@ -56,9 +56,12 @@ MMA_TARGET_BLOCKS = 132 * 2  # H200 sweep (docs/kernels.md): fewer, longer split
 MMA_HEAD_DIMS = (64, 128, 256)
 MMA_PIPE: bool | None = None  # prefetch the next step's page words; None: where registers allow
 MMA_STAGES: int | None = None  # cp.async ring depth; None: as many as fit (up to 4), 0: off
-MMA_SUB: int | None = None  # 16-token steps per warp iteration; None: 2 where 4 stages fit
+MMA_SUB: int | None = None  # 16-token steps per warp iteration; None: see _build_mma_plan
 MMA_SHARED_BYTES = 44 * 1024  # static shared memory the rings may use (48 KB limit, less the rest)
 MMA_ENV = "KVSTORE_DIRECT_MMA"  # "0": packed pages use the lane-group kernel too
+# codes into the mma as they are, scales per quantization group outside it; "0" in
+# $KVSTORE_DIRECT_MMA_RAW dequantizes every pair before the mma instead
+MMA_RAW = os.environ.get("KVSTORE_DIRECT_MMA_RAW", "1") != "0"
 
 
 TUNING_ENV = "KVSTORE_DIRECT_TUNING"
@@ -66,10 +69,10 @@ TUNING_ENV = "KVSTORE_DIRECT_TUNING"
 
 def apply_tuning(text: str) -> None:
     """Set launch parameters from "unroll,warps,target_blocks[,dims_per_lane[,mma_warps,
-    mma_target_blocks[,mma_pipe[,mma_stages[,mma_sub]]]]]" (benchmarks and device tests;
-    $KVSTORE_DIRECT_TUNING is applied at import)."""
+    mma_target_blocks[,mma_pipe[,mma_stages[,mma_sub[,mma_raw]]]]]]" (benchmarks and
+    device tests; $KVSTORE_DIRECT_TUNING is applied at import)."""
     global UNROLL, NUM_WARPS, TARGET_BLOCKS, DIMS_PER_LANE, MMA_WARPS, MMA_TARGET_BLOCKS, MMA_PIPE
-    global MMA_STAGES, MMA_SUB
+    global MMA_STAGES, MMA_SUB, MMA_RAW
     values = [int(x) for x in text.split(",")]
     UNROLL, NUM_WARPS, TARGET_BLOCKS = values[:3]
     if len(values) > 3:
@@ -82,6 +85,8 @@ def apply_tuning(text: str) -> None:
         MMA_STAGES = values[7]
     if len(values) > 8:
         MMA_SUB = values[8]
+    if len(values) > 9:
+        MMA_RAW = bool(values[9])
 
 
 if os.environ.get(TUNING_ENV):
@@ -195,7 +200,7 @@ def plan_launch(
         tuple(queries.shape), queries.dtype, tuple((tuple(p.shape), p.dtype) for p in plane_arrays),
         tuple(block_tables.shape), tuple(context_lens), layout, scale, mask, window,
         sinks is not None, UNROLL, NUM_WARPS, TARGET_BLOCKS, DIMS_PER_LANE, kernel,
-        MMA_WARPS, MMA_TARGET_BLOCKS, MMA_PIPE, MMA_STAGES, MMA_SUB,
+        MMA_WARPS, MMA_TARGET_BLOCKS, MMA_PIPE, MMA_STAGES, MMA_SUB, MMA_RAW,
     )
     cached = _PLANS.get(key)
     if cached is None:
@@ -209,12 +214,17 @@ def plan_launch(
     signs = rotation_signs(queries.shape[-1], layout.rotation_seed)
     return replace(
         cached,
-        split_inputs=[queries, signs, *plane_arrays, block_tables.astype(mx.int32), cached.meta],
-        sinks=sinks.astype(mx.float32) if sinks is not None else _no_sinks(),
+        split_inputs=[queries, signs, *plane_arrays, _as(block_tables, mx.int32), cached.meta],
+        sinks=_as(sinks, mx.float32) if sinks is not None else _no_sinks(),
     )
 
 
 _PLANS: dict[tuple, LaunchPlan] = {}
+
+
+def _as(array: mx.array, dtype: mx.Dtype) -> mx.array:
+    """array in dtype, without a conversion op in the graph when it already is."""
+    return array if array.dtype == dtype else array.astype(dtype)
 
 
 @lru_cache(maxsize=1)
@@ -336,7 +346,11 @@ def _build_mma_plan(
     stages = min(4, MMA_SHARED_BYTES // (MMA_WARPS * slot)) if MMA_STAGES is None else MMA_STAGES
     if shape.block_size % 16 or stages < 2:
         stages = 0
-    sub = (2 if stages >= 4 else 1) if MMA_SUB is None else MMA_SUB
+    raw = raw_codes_serve(layout, d, stages)
+    # two steps per warp iteration paid off when every pair was dequantized before the mma;
+    # with raw codes one step held the same 128K times (H200 runs: 62-70 us against 64-77)
+    # in 140 registers instead of 170 (docs/kernels.md)
+    sub = (2 if stages >= 4 and not raw else 1) if MMA_SUB is None else MMA_SUB
     if stages < 2 * sub:  # a warp needs its iteration's slots plus at least one iteration ahead
         sub = 1
     stages -= stages % sub
@@ -357,9 +371,21 @@ def _build_mma_plan(
         ("ASYNC", stages > 0),
         ("STAGES", max(stages, 1)),
         ("SUB", sub),
+        ("RAW", raw),
     ]
     return _launch_plan("mma", layout, shape, queries, sinks, num_splits, row_chunks, meta,
                         MMA_WARPS * 32, split_template)
+
+
+def raw_codes_serve(layout: PageLayout, head_dim: int, stages: int) -> bool:
+    """Whether the tensor-core kernel takes codes into the mma as they are, with scales and
+    offsets applied per quantization group (kernels/cuda_mma.py): it reads the scales from
+    the cp.async rings, and a lane's share of a group must be whole 32-bit words (a group of
+    at least 32 dims for 4-bit keys, 64 for 4-bit values). Head dims up to 128: at 256 the
+    per-group accumulators no longer fit in registers."""
+    return (MMA_RAW and stages > 0 and head_dim <= 128  # at 256 its accumulators spill
+            and layout.group_size * layout.k_bits >= 128
+            and layout.group_size * layout.v_bits >= 256 and head_dim % layout.group_size == 0)
 
 
 def run_split_merge(plan: LaunchPlan, split_kernel, merge_kernel) -> mx.array:
