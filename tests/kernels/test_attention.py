@@ -129,6 +129,28 @@ def test_matches_reference(impl, row):
     assert max_error(got, expected) <= TOLERANCE[case.queries.dtype]
 
 
+# The GPU kernels' split-K partials each sum thousands of tokens at long contexts (B=1 with
+# 8 KV heads at 128K: 33 splits of ~4K tokens; B=4 at 64K: 8 splits of ~8K). Averaged over
+# that many random values the output is small (~1/sqrt(T) of a value), so the absolute
+# tolerance above cannot see rounding that accumulates along a split: these rows check the
+# relative L2 error against the reference. (An earlier tensor-core kernel that left the codes'
+# 1024 bias in its fp32 accumulators measured 2.6e-2 against exact attention at 128K, of
+# which 8-bit quantization is ~1e-2.)
+LONG_SPLITS = [("k8v8-f16", [131072]), ("k4v4-rot-f16", [65536] * 4)]
+
+
+@pytest.mark.parametrize("impl", [name for name in IMPLS if name in ("cuda", "metal")] or ["cuda"])
+@pytest.mark.parametrize("layout,contexts", LONG_SPLITS, ids=["k8v8-f16-128K", "k4v4-rot-f16-4x64K"])
+def test_long_splits_keep_relative_precision(impl, layout, contexts):
+    require(impl)
+    case = make_case(layout, head_dim=128, n_kv_heads=8, gqa=4, block_size=16,
+                     context_lens=contexts, num_queries=1)
+    expected = run(case, "reference", scale=128**-0.5).astype(mx.float32)
+    got = run(case, impl, scale=128**-0.5).astype(mx.float32)
+    rel = (mx.sqrt(((got - expected) ** 2).sum()) / mx.sqrt((expected**2).sum())).item()
+    assert rel <= 5e-3, f"relative L2 error {rel:.2e} against the reference"
+
+
 def dense_truth(case, scale, mask, window) -> np.ndarray:
     """Float64 attention in numpy from the dequantized pages: checks the reference itself."""
     from kernels.paging import gather_pages, prepare_queries
@@ -254,18 +276,25 @@ def test_partition_size_does_not_change_the_result():
 
 
 def test_workspace_is_bounded_by_the_partition():
+    """On the CPU the partitioned path's workspace is one partition's, whatever the context;
+    on a GPU it is priced per partition (kernels/attention.py says why); the kernels' split
+    partials stay small either way."""
     layout = PageLayout(4, 4, rotation_seed=1)
     args = dict(n_q_heads=32, n_kv_heads=8, num_queries=1, k_head_dim=128, v_head_dim=128,
                 block_size=16, layout=layout, partition_tokens=1024)
+    part_1k = workspace_nbytes("partitioned", context_len=1024, **args)
     part_32k = workspace_nbytes("partitioned", context_len=32768, **args)
     part_1m = workspace_nbytes("partitioned", context_len=1 << 20, **args)
     ref_32k = workspace_nbytes("reference", context_len=32768, **args)
     ref_64k = workspace_nbytes("reference", context_len=65536, **args)
-    assert part_32k == part_1m
     assert ref_64k > 1.9 * ref_32k
-    assert ref_32k > 20 * part_32k
+    if mx.default_device() == mx.gpu:
+        assert part_32k == 32 * part_1k - 31 * (32 * 128 * 4)  # 32 partitions, queries once
+    else:
+        assert part_32k == part_1m
+        assert ref_32k > 20 * part_32k
     for impl in ("cuda", "metal"):
-        assert 0 < workspace_nbytes(impl, context_len=1 << 17, **args) < part_32k
+        assert 0 < workspace_nbytes(impl, context_len=1 << 17, **args) < part_1k
 
 
 def test_rejects_bad_arguments():
