@@ -385,7 +385,7 @@ def raw_codes_serve(layout: PageLayout, head_dim: int, stages: int) -> bool:
     per-group accumulators no longer fit in registers."""
     return (MMA_RAW and stages > 0 and head_dim <= 128  # at 256 its accumulators spill
             and layout.group_size * layout.k_bits >= 128
-            and layout.group_size * layout.v_bits >= 256 and head_dim % layout.group_size == 0)
+            and layout.group_size * layout.v_bits >= 256)
 
 
 def run_split_merge(plan: LaunchPlan, split_kernel, merge_kernel) -> mx.array:
