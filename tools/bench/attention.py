@@ -13,6 +13,9 @@ Measured in one run, per (batch, context):
   direct       paged_attention with the direct path per page format (cuda/metal kernel on a
                GPU, the partitioned MLX-ops path on the CPU)
 Times are medians over repeats; each sample evaluates --inner independent calls and divides.
+The methods of a case are timed in interleaved rounds (one sample of each in turn), and "vs
+dense" is the median over rounds of the ratio within a round, so slow drift of the machine
+(clocks, other load) falls on dense and the method alike.
 "rel err" is each output's error against SDPA over the same K/V in float32:
 ||out - exact|| / ||exact|| over the batch (what a page format costs in accuracy).
 "eval" times evaluation of graphs built before the clock starts; "build+eval" adds the
@@ -63,6 +66,26 @@ def load_mlx_lm_quantized_sdpa():
     return module.quantized_scaled_dot_product_attention
 
 
+def _warm(fn, inner: int) -> None:
+    for _ in range(2):
+        mx.eval([fn() for _ in range(inner)])
+    mx.synchronize()
+
+
+def _sample(fn, inner: int) -> tuple[float, float]:
+    """Seconds per call of one sample of `inner` independent calls: (eval only, build + eval)."""
+    outputs = [fn() for _ in range(inner)]
+    mx.synchronize()
+    start = time.perf_counter()
+    mx.eval(outputs)
+    mx.synchronize()
+    eval_only = (time.perf_counter() - start) / inner
+    start = time.perf_counter()
+    mx.eval([fn() for _ in range(inner)])
+    mx.synchronize()
+    return eval_only, (time.perf_counter() - start) / inner
+
+
 def timed(fn, repeats: int, inner: int) -> tuple[float, float]:
     """Median seconds per call of fn(), as (eval only, build + eval).
 
@@ -71,22 +94,21 @@ def timed(fn, repeats: int, inner: int) -> tuple[float, float]:
     the Python that builds them, which a real model overlaps with the previous layer's
     device work through async evaluation.
     """
-    for _ in range(2):
-        mx.eval([fn() for _ in range(inner)])
-    mx.synchronize()
-    eval_only, with_build = [], []
+    _warm(fn, inner)
+    samples = [_sample(fn, inner) for _ in range(repeats)]
+    return statistics.median(x for x, _ in samples), statistics.median(y for _, y in samples)
+
+
+def timed_rounds(fns: dict, repeats: int, inner: int) -> dict[str, list[tuple[float, float]]]:
+    """Samples (as timed()'s) of every function in fns, interleaved: each of `repeats` rounds
+    takes one sample of each in turn."""
+    for fn in fns.values():
+        _warm(fn, inner)
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
     for _ in range(repeats):
-        outputs = [fn() for _ in range(inner)]
-        mx.synchronize()
-        start = time.perf_counter()
-        mx.eval(outputs)
-        mx.synchronize()
-        eval_only.append((time.perf_counter() - start) / inner)
-        start = time.perf_counter()
-        mx.eval([fn() for _ in range(inner)])
-        mx.synchronize()
-        with_build.append((time.perf_counter() - start) / inner)
-    return statistics.median(eval_only), statistics.median(with_build)
+        for name, fn in fns.items():
+            samples[name].append(_sample(fn, inner))
+    return samples
 
 
 def copy_bandwidth(nbytes: int, repeats: int) -> float:
@@ -148,21 +170,13 @@ def bench_case(batch, tokens, args, direct_impl, quantized_sdpa, rows, copy_bps)
         diff = out.astype(mx.float32) - exact
         return (mx.sqrt((diff * diff).sum()) / mx.sqrt((exact * exact).sum())).item()
 
-    def add(method, fmt, times, page_bytes, fn):
-        seconds, with_build = times
-        rows.append(dict(batch=batch, context=tokens, method=method, format=fmt,
-                         us=seconds * 1e6, call_us=with_build * 1e6, page_bytes=page_bytes,
-                         gbps=page_bytes / seconds / 1e9 if page_bytes else None,
-                         copy_fraction=page_bytes / seconds / copy_bps if page_bytes else None,
-                         rel_err=rel_err(fn())))
-        print(f"  B={batch} T={tokens} {method:<10} {fmt:<7} {seconds * 1e6:10.1f} us "
-              f"(with graph build {with_build * 1e6:.1f} us)", file=sys.stderr, flush=True)
+    cases = {}  # name -> (method, format, page bytes, fn), timed together below
 
     dense_bytes = batch * tokens * N_KV_HEADS * page_nbytes_per_token(PageLayout())
     def dense():
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
 
-    add("dense", "bf16", timed(dense, args.repeats, args.inner), dense_bytes, dense)
+    cases["dense"] = ("dense", "bf16", dense_bytes, dense)
     if quantized_sdpa is not None:
         q_keys = mx.quantize(keys, group_size=64, bits=4)
         q_values = mx.quantize(values, group_size=64, bits=4)
@@ -174,8 +188,7 @@ def bench_case(batch, tokens, args, direct_impl, quantized_sdpa, rows, copy_bps)
             return quantized_sdpa(mx.array(queries), q_keys, q_values, scale=scale, mask=None,
                                   group_size=64, bits=4)
 
-        add("mlx-lm", "q4", timed(mlx_lm_q4, args.repeats, args.inner), q4_bytes, mlx_lm_q4)
-        del q_keys, q_values
+        cases["mlx-lm"] = ("mlx-lm", "q4", q4_bytes, mlx_lm_q4)
     for fmt in args.formats:
         layout = FORMATS[fmt]
         planes, tables = build_pages(keys, values, layout, args.block_size, seed=tokens)
@@ -188,8 +201,23 @@ def bench_case(batch, tokens, args, direct_impl, quantized_sdpa, rows, copy_bps)
                 return paged_attention(queries, planes, tables, lens, layout, scale=scale,
                                        impl=impl, partition_tokens=args.partition_tokens)
 
-            seconds = timed(call, args.repeats, args.inner)
-            add(method if method == "reference" else f"direct:{impl}", fmt, seconds, page_bytes, call)
+            name = method if method == "reference" else f"direct:{impl}"
+            cases[f"{name} {fmt}"] = (name, fmt, page_bytes, call)
+
+    samples = timed_rounds({key: case[3] for key, case in cases.items()}, args.repeats, args.inner)
+    dense_samples = samples["dense"]
+    for key, (method, fmt, page_bytes, fn) in cases.items():
+        seconds = statistics.median(x for x, _ in samples[key])
+        with_build = statistics.median(y for _, y in samples[key])
+        rows.append(dict(batch=batch, context=tokens, method=method, format=fmt,
+                         us=seconds * 1e6, call_us=with_build * 1e6, page_bytes=page_bytes,
+                         gbps=page_bytes / seconds / 1e9 if page_bytes else None,
+                         copy_fraction=page_bytes / seconds / copy_bps if page_bytes else None,
+                         vs_dense=statistics.median(d[0] / m[0] for d, m in zip(dense_samples, samples[key])),
+                         vs_dense_build=statistics.median(d[1] / m[1] for d, m in zip(dense_samples, samples[key])),
+                         rel_err=rel_err(fn())))
+        print(f"  B={batch} T={tokens} {method:<10} {fmt:<7} {seconds * 1e6:10.1f} us "
+              f"(with graph build {with_build * 1e6:.1f} us)", file=sys.stderr, flush=True)
 
 
 def print_table(rows, copy_bps):
@@ -197,15 +225,12 @@ def print_table(rows, copy_bps):
     print("| batch | context | method | format | eval (us) | vs dense | page GB/s | % of copy "
           "| build+eval (us) | vs dense | rel err |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    dense = {(r["batch"], r["context"]): r["us"] for r in rows if r["method"] == "dense"}
-    dense_call = {(r["batch"], r["context"]): r["call_us"] for r in rows if r["method"] == "dense"}
     for r in rows:
-        ratio = dense[(r["batch"], r["context"])] / r["us"]
         gbps = "-" if not r["gbps"] else f"{r['gbps']:.0f}" if r["gbps"] >= 10 else f"{r['gbps']:.2f}"
         frac = f"{100 * r['copy_fraction']:.0f}%" if r["copy_fraction"] else "-"
         print(f"| {r['batch']} | {r['context']} | {r['method']} | {r['format']} | "
-              f"{r['us']:.1f} | {ratio:.2f}x | {gbps} | {frac} | {r['call_us']:.1f} | "
-              f"{dense_call[(r['batch'], r['context'])] / r['call_us']:.2f}x | {r['rel_err']:.1e} |")
+              f"{r['us']:.1f} | {r['vs_dense']:.2f}x | {gbps} | {frac} | {r['call_us']:.1f} | "
+              f"{r['vs_dense_build']:.2f}x | {r['rel_err']:.1e} |")
 
 
 def main(argv=None) -> int:
