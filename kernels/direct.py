@@ -348,8 +348,8 @@ def _build_mma_plan(
         stages = 0
     raw = raw_codes_serve(layout, d, stages)
     # two steps per warp iteration paid off when every pair was dequantized before the mma;
-    # with raw codes one step held the same 128K times (H200 runs: 62-70 us against 64-77)
-    # in 140 registers instead of 170 (docs/kernels.md)
+    # with raw codes one step held the same 128K times in 140 registers instead of 170, but
+    # measured slower at 32K in one run: open to a re-tune (docs/kernels.md, H200 tables)
     sub = (2 if stages >= 4 and not raw else 1) if MMA_SUB is None else MMA_SUB
     if stages < 2 * sub:  # a warp needs its iteration's slots plus at least one iteration ahead
         sub = 1
