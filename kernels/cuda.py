@@ -463,5 +463,5 @@ def launch(plan: direct.LaunchPlan) -> mx.array:
     if plan.kernel == "mma":
         from kernels import cuda_mma
 
-        return direct.run_split_merge(plan, cuda_mma.split_kernel(), _merge_kernel())
+        return direct.run_split_merge(plan, cuda_mma.split_kernel(plan.shared_memory), _merge_kernel())
     return direct.run_split_merge(plan, _split_kernel(plan.packed), _merge_kernel())

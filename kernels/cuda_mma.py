@@ -27,7 +27,10 @@ Layout of one step (one warp, tokens T0..T0+15; lane = 4 * gid + tig):
                whole step is a fixed set of 16-byte pieces per lane; a split's last step
                zero-fills bytes past the context), and with per-pair dequantization takes two
                steps per iteration (one row-max reduction per 32 tokens); without rings it
-               prefetches one step in registers.
+               prefetches one step in registers. The rings' first copies are issued before
+               the query prologue (the Hadamard rotation of the queries, 7 block barriers)
+               where the queries have shared memory of their own (QSEP); rings deeper than
+               48 KB of static shared memory allow live in dynamic shared memory (SMEM).
 
 Raw codes (RAW; direct.raw_codes_serve: the rings, head dim <= 128, a lane's share of a
 group whole words): the mma takes the codes as they come out of lop3/prmt, and the scale and
@@ -188,8 +191,10 @@ __device__ __forceinline__ unsigned int kv_dequant(unsigned int biased, __half2 
 # TABLE_CAP, ASYNC + STAGES (cp.async rings of raw page bytes in shared memory, for
 # BLOCK_SIZE % 16 == 0), SUB (16-token steps per warp iteration; STAGES is a multiple), PROBE
 # (0; profiling cuts, tests/kernels/h200_profile.py), PIPE (prefetch the next step's raw words;
-# off where they would not fit in registers), RAW (codes into the mma; see the module doc). meta as the lane-group kernel's (kernels/cuda.py), with first_key
-# rounded down to a multiple of 16 and split_tokens a multiple of 16 (direct.py plans it).
+# off where they would not fit in registers), RAW (codes into the mma; see the module doc),
+# QSEP and SMEM (the shared-memory layout; direct._mma_shared_layout). meta as the lane-group
+# kernel's (kernels/cuda.py), with first_key rounded down to a multiple of 16 and split_tokens
+# a multiple of 16 (direct.py plans it).
 SPLIT_BODY = r"""
   constexpr int RM = ROWS16 ? 16 : 8;      // query rows of this block
   constexpr int KSTEPS = D / 16;           // k-steps of S; m-tiles of O^T
@@ -239,16 +244,24 @@ SPLIT_BODY = r"""
   for (int e = threadIdx.x; first_block + e <= (stop - 1) / BLOCK_SIZE && e < TABLE_CAP; e += NUM_WARPS * 32)
     sh_table[e] = block_tables[batch * table_width + first_block + e];
 
-  // queries of this block's rows in float32: signs, fast Walsh-Hadamard transform, scale
-  // one shared buffer, used in turn by: the queries (prologue), the per-warp rings of raw
-  // page bytes (ASYNC main loop), the warps' partial outputs (epilogue)
+  // Shared memory: one region used in turn by the per-warp rings of raw page bytes (ASYNC
+  // main loop) and the warps' partial outputs (epilogue); the queries (prologue, float32:
+  // signs, fast Walsh-Hadamard transform, scale) get their own space after it when QSEP, so
+  // the rings' first copies are issued before the prologue and their latency overlaps it,
+  // else they overlay the region. SMEM > 0: the region is the kernel's dynamic shared memory
+  // of SMEM bytes (direct._build_mma_plan sizes it; rings deeper than 48 KB of static memory).
   constexpr int KROW = D * K_BITS / 8, VROW = D * V_BITS / 8, SROW = GROUPS * 4;  // bytes per token
   constexpr int SLOT = 16 * (KROW + VROW + 4 * SROW);  // one warp step: 16 tokens of every plane
   constexpr int RING = ASYNC ? NUM_WARPS * STAGES * SLOT : 0;
   constexpr int QBYTES = RM * D * 4, OBYTES = NUM_WARPS * RM * D * 4;
-  constexpr int SHARED = RING > OBYTES ? (RING > QBYTES ? RING : QBYTES) : (OBYTES > QBYTES ? OBYTES : QBYTES);
-  __shared__ __align__(16) uint8_t sh_raw[SHARED];
-  float (*sh_q)[D] = reinterpret_cast<float (*)[D]>(sh_raw);
+  constexpr int MAIN = RING > OBYTES ? RING : OBYTES;
+  constexpr int SHARED = QSEP ? MAIN + QBYTES : (MAIN > QBYTES ? MAIN : QBYTES);
+  static_assert(!QSEP || ASYNC, "separate query space is for the rings");
+  static_assert(SMEM == 0 || SMEM >= SHARED, "dynamic shared memory is smaller than the layout");
+  __shared__ __align__(16) uint8_t sh_static[SMEM ? 16 : SHARED];
+  extern __shared__ __align__(16) uint8_t sh_dynamic[];
+  uint8_t* const sh_raw = SMEM ? sh_dynamic : sh_static;
+  float (*sh_q)[D] = reinterpret_cast<float (*)[D]>(sh_raw + (QSEP ? MAIN : 0));
   const int row0 = chunk * RM;
   for (int e = threadIdx.x; e < RM * D; e += NUM_WARPS * 32) {
     const int i = e / D, d = e % D, r = row0 + i;
@@ -258,89 +271,6 @@ SPLIT_BODY = r"""
     sh_q[i][d] = ROTATE ? x * signs[d] : x;
   }
   __syncthreads();
-  if (ROTATE) {
-    qscale *= rsqrtf((float)D);
-#pragma unroll 1
-    for (int h = 1; h < D; h <<= 1) {
-      for (int e = threadIdx.x; e < RM * D / 2; e += NUM_WARPS * 32) {
-        const int i = e / (D / 2), k = e % (D / 2);
-        const int j = (k / h) * 2 * h + (k % h);
-        const float a = sh_q[i][j], b = sh_q[i][j + h];
-        sh_q[i][j] = a + b;
-        sh_q[i][j + h] = a - b;
-      }
-      __syncthreads();
-    }
-  }
-
-  // query fragments (A of S = Q K^T), head dims permuted as this lane's key pairs: lane tig
-  // owns the quarter [tig*C, (tig+1)*C) of the head, or with RAW the quarter
-  // [g*GROUP + tig*GROUP/4, ..) of each group g, k-steps g*KSG .. g*KSG + KSG - 1 lying in
-  // group g. With RAW and 4-bit keys the odd pairs (b1) hold 1024 + 16 * code, so their
-  // queries are divided by 16 (exact in fp16).
-  unsigned int qa[KSTEPS][4];
-  constexpr float ODD_Q = (RAW && K_BITS == 4) ? 0.0625f : 1.f;
-#pragma unroll
-  for (int ks = 0; ks < KSTEPS; ++ks) {
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      const int base = RAW ? (ks / KSG) * GROUP + tig * (GROUP / 4) : tig * C;
-      const int h = RAW ? 2 * (ks % KSG) + s : 2 * ks + s;
-      const int d0 = base + kv_key_pair_dim<K_BITS>(h, 0);
-      const int d1 = base + kv_key_pair_dim<K_BITS>(h, 1);
-      const float f = (s ? ODD_Q : 1.f) * qscale;
-      qa[ks][2 * s] = kv_pack(sh_q[gid][d0] * f, sh_q[gid][d1] * f);
-      qa[ks][2 * s + 1] = ROWS16 ? kv_pack(sh_q[gid + 8][d0] * f, sh_q[gid + 8][d1] * f) : 0u;
-    }
-  }
-  // RAW: per group g and row (gid, gid + 8): kbias = -(what the mma adds for the 1024 of every
-  // code) = -1024 * sum of the fp16 queries as the mma sees them (the accumulators start
-  // there), qsum = sum of the queries each code stands for (times the group's offset)
-  float kbias[RG][2], qsum[RG][2];
-#pragma unroll
-  for (int g = 0; g < RG; ++g)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float b = 0.f, q = 0.f;
-#pragma unroll
-      for (int j = 0; j < (RAW ? KSG : 0); ++j)
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-          const float2 x = __half22float2(kv_u2h(qa[g * KSG + j][2 * s + r]));
-          b += x.x + x.y;
-          q += (s ? 1.f / ODD_Q : 1.f) * (x.x + x.y);
-        }
-      b += __shfl_xor_sync(0xffffffffu, b, 1);
-      b += __shfl_xor_sync(0xffffffffu, b, 2);
-      q += __shfl_xor_sync(0xffffffffu, q, 1);
-      q += __shfl_xor_sync(0xffffffffu, q, 2);
-      kbias[g][r] = -1024.f * b;
-      qsum[g][r] = q;
-    }
-  __syncthreads();  // sh_q is read; the rings may overwrite it
-
-  // positions of the rows this lane scores: gid (and gid + 8)
-  int q_pos[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) q_pos[i] = context - num_queries + ((row0 + gid + 8 * i) % num_queries);
-
-  float m[2] = {KV_NEG_INF, KV_NEG_INF};
-  float l[2] = {0.f, 0.f};
-  float o[ROWS16 ? 2 : 1][KSTEPS][4];
-  // RAW: per group, the sum of P * (offset + center * scale) (voff), in the layout of O^T
-  // (every row of the tile the same)
-  float voff[ROWS16 ? 2 : 1][RG][4];
-#pragma unroll
-  for (int n = 0; n < (ROWS16 ? 2 : 1); ++n) {
-#pragma unroll
-    for (int t = 0; t < KSTEPS; ++t)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) o[n][t][c] = 0.f;
-#pragma unroll
-    for (int g = 0; g < RG; ++g)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) voff[n][g][c] = 0.f;
-  }
 
   // raw page words of one step: keys of tokens gid, 8 + gid (this lane's quarter of the
   // head dims), values of tokens 2tig, 2tig+1, 2tig+8, 2tig+9 (this lane's eighth)
@@ -485,15 +415,106 @@ SPLIT_BODY = r"""
 #pragma unroll
     for (int u = 0; u < STEPS_PER_ITER; ++u) issue(static_cast<unsigned int>(iteration * STEPS_PER_ITER + u) % STAGES, t + 16 * u);
   };
-  if constexpr (ASYNC) {
+  // the first AHEAD iterations' copies (ASYNC), or the first step's words
+  auto prime = [&]() {
+    if constexpr (ASYNC) {
 #pragma unroll
-    for (int ahead = 0; ahead < AHEAD; ++ahead) {
-      if (t0 + ahead * ITER < stop) issue_iteration(ahead, t0 + ahead * ITER);
-      kv_cp_commit();
+      for (int ahead = 0; ahead < AHEAD; ++ahead) {
+        if (t0 + ahead * ITER < stop) issue_iteration(ahead, t0 + ahead * ITER);
+        kv_cp_commit();
+      }
+    } else {
+      if (t0 < stop) fetch(cur[0], t0);
     }
-  } else {
-    if (t0 < stop) fetch(cur[0], t0);
+  };
+  if constexpr (QSEP) prime();  // sh_table is in place (the barrier above)
+  if (ROTATE) {
+    qscale *= rsqrtf((float)D);
+#pragma unroll 1
+    for (int h = 1; h < D; h <<= 1) {
+      for (int e = threadIdx.x; e < RM * D / 2; e += NUM_WARPS * 32) {
+        const int i = e / (D / 2), k = e % (D / 2);
+        const int j = (k / h) * 2 * h + (k % h);
+        const float a = sh_q[i][j], b = sh_q[i][j + h];
+        sh_q[i][j] = a + b;
+        sh_q[i][j + h] = a - b;
+      }
+      __syncthreads();
+    }
   }
+
+  // query fragments (A of S = Q K^T), head dims permuted as this lane's key pairs: lane tig
+  // owns the quarter [tig*C, (tig+1)*C) of the head, or with RAW the quarter
+  // [g*GROUP + tig*GROUP/4, ..) of each group g, k-steps g*KSG .. g*KSG + KSG - 1 lying in
+  // group g. With RAW and 4-bit keys the odd pairs (b1) hold 1024 + 16 * code, so their
+  // queries are divided by 16 (exact in fp16).
+  unsigned int qa[KSTEPS][4];
+  constexpr float ODD_Q = (RAW && K_BITS == 4) ? 0.0625f : 1.f;
+#pragma unroll
+  for (int ks = 0; ks < KSTEPS; ++ks) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const int base = RAW ? (ks / KSG) * GROUP + tig * (GROUP / 4) : tig * C;
+      const int h = RAW ? 2 * (ks % KSG) + s : 2 * ks + s;
+      const int d0 = base + kv_key_pair_dim<K_BITS>(h, 0);
+      const int d1 = base + kv_key_pair_dim<K_BITS>(h, 1);
+      const float f = (s ? ODD_Q : 1.f) * qscale;
+      qa[ks][2 * s] = kv_pack(sh_q[gid][d0] * f, sh_q[gid][d1] * f);
+      qa[ks][2 * s + 1] = ROWS16 ? kv_pack(sh_q[gid + 8][d0] * f, sh_q[gid + 8][d1] * f) : 0u;
+    }
+  }
+  // RAW: per group g and row (gid, gid + 8): kbias = -(what the mma adds for the 1024 of every
+  // code) = -1024 * sum of the fp16 queries as the mma sees them (the accumulators start
+  // there), qsum = sum of the queries each code stands for (times the group's offset)
+  float kbias[RG][2], qsum[RG][2];
+#pragma unroll
+  for (int g = 0; g < RG; ++g)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float b = 0.f, q = 0.f;
+#pragma unroll
+      for (int j = 0; j < (RAW ? KSG : 0); ++j)
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          const float2 x = __half22float2(kv_u2h(qa[g * KSG + j][2 * s + r]));
+          b += x.x + x.y;
+          q += (s ? 1.f / ODD_Q : 1.f) * (x.x + x.y);
+        }
+      b += __shfl_xor_sync(0xffffffffu, b, 1);
+      b += __shfl_xor_sync(0xffffffffu, b, 2);
+      q += __shfl_xor_sync(0xffffffffu, q, 1);
+      q += __shfl_xor_sync(0xffffffffu, q, 2);
+      kbias[g][r] = -1024.f * b;
+      qsum[g][r] = q;
+    }
+  if constexpr (!QSEP) {
+    __syncthreads();  // sh_q is read; the rings may overwrite it
+    prime();
+  }
+
+  // positions of the rows this lane scores: gid (and gid + 8)
+  int q_pos[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) q_pos[i] = context - num_queries + ((row0 + gid + 8 * i) % num_queries);
+
+  float m[2] = {KV_NEG_INF, KV_NEG_INF};
+  float l[2] = {0.f, 0.f};
+  float o[ROWS16 ? 2 : 1][KSTEPS][4];
+  // RAW: per group, the sum of P * (offset + center * scale) (voff), in the layout of O^T
+  // (every row of the tile the same)
+  float voff[ROWS16 ? 2 : 1][RG][4];
+#pragma unroll
+  for (int n = 0; n < (ROWS16 ? 2 : 1); ++n) {
+#pragma unroll
+    for (int t = 0; t < KSTEPS; ++t)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) o[n][t][c] = 0.f;
+#pragma unroll
+    for (int g = 0; g < RG; ++g)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) voff[n][g][c] = 0.f;
+  }
+
   unsigned int probe_sink = 0;
   for (int iteration = 0; t0 < stop; t0 += ITER, ++iteration) {
     if constexpr (ASYNC) {
@@ -786,18 +807,20 @@ SPLIT_BODY = r"""
 """
 
 
-def split_kernel():
-    """The mx.fast.cuda_kernel object (compiled per template on first use)."""
-    global _SPLIT
-    if _SPLIT is None:
-        _SPLIT = mx.fast.cuda_kernel(
+def split_kernel(shared_memory: int = 0):
+    """The mx.fast.cuda_kernel object with `shared_memory` dynamic shared bytes (compiled per
+    template on first use; the template's SMEM carries the same number, so kernels of
+    different sizes never share a compiled function)."""
+    if shared_memory not in _SPLIT:
+        _SPLIT[shared_memory] = mx.fast.cuda_kernel(
             name="kvstore_paged_split_mma",
             input_names=["queries", "signs", "kc", "ks", "ko", "vc", "vs", "vo", "block_tables", "meta"],
             output_names=["part_o", "part_ml"],
             source=SPLIT_BODY,
             header=HEADER,
+            shared_memory=shared_memory,
         )
-    return _SPLIT
+    return _SPLIT[shared_memory]
 
 
-_SPLIT = None
+_SPLIT: dict[int, object] = {}

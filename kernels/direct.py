@@ -22,7 +22,9 @@ apply_tuning() override them).
 
 On CUDA, packed pages with fp16/bf16 queries take the tensor-core split kernel instead
 (kernels/cuda_mma.py, planned by _build_mma_plan: 8 or 16 rows per block, 16-token warp
-steps); the partials and the merge are the same.
+steps, 6 warps per block with cp.async rings in dynamic shared memory where they need more
+than 48 KB, which MLX's cuda_kernel(shared_memory=...) opts the kernel in to); the partials
+and the merge are the same.
 
 Planes must be row-contiguous arrays (the pool's own arrays, not strided views): the
 kernel launcher would otherwise copy a whole pool plane per call.
@@ -51,17 +53,24 @@ TABLE_CAP = 256  # block-table entries a split block stages in shared memory
 DIMS_PER_LANE = 16  # head_dim values per lane; a lane group is D / DIMS_PER_LANE lanes
 
 # The tensor-core kernel (kernels/cuda_mma.py): packed pages, fp16/bf16 queries, CUDA only.
-MMA_WARPS = 4
+MMA_WARPS = 6  # H200 sweep (docs/kernels.md): 12 warps per SM beat 8 at 128K; the kernel is latency-bound
 MMA_TARGET_BLOCKS = 132 * 2  # H200 sweep (docs/kernels.md): fewer, longer splits won at 128K
 MMA_HEAD_DIMS = (64, 128, 256)
 MMA_PIPE: bool | None = None  # prefetch the next step's page words; None: where registers allow
 MMA_STAGES: int | None = None  # cp.async ring depth; None: as many as fit (up to 4), 0: off
 MMA_SUB: int | None = None  # 16-token steps per warp iteration; None: see _build_mma_plan
-MMA_SHARED_BYTES = 44 * 1024  # static shared memory the rings may use (48 KB limit, less the rest)
+# shared memory for a block's rings and queries when the ring depth is not set (up to 4
+# steps): two such blocks fit an H100/H200 SM (228 KB), and one fits the 99 KB a block may opt
+# in to on sm_86/sm_89; beyond 48 KB it is dynamic
+MMA_SHARED_BYTES = 96 * 1024
+STATIC_SHARED_BYTES = 48 * 1024  # a block's static shared memory; beyond it, dynamic (opt-in)
 MMA_ENV = "KVSTORE_DIRECT_MMA"  # "0": packed pages use the lane-group kernel too
 # codes into the mma as they are, scales per quantization group outside it; "0" in
 # $KVSTORE_DIRECT_MMA_RAW dequantizes every pair before the mma instead
 MMA_RAW = os.environ.get("KVSTORE_DIRECT_MMA_RAW", "1") != "0"
+# queries in their own shared memory where it fits, so the rings' first copies are issued
+# before the query prologue (tuning field 11; 0 overlays them as before, for comparison)
+MMA_EARLY_ISSUE = True
 
 
 TUNING_ENV = "KVSTORE_DIRECT_TUNING"
@@ -69,10 +78,10 @@ TUNING_ENV = "KVSTORE_DIRECT_TUNING"
 
 def apply_tuning(text: str) -> None:
     """Set launch parameters from "unroll,warps,target_blocks[,dims_per_lane[,mma_warps,
-    mma_target_blocks[,mma_pipe[,mma_stages[,mma_sub[,mma_raw]]]]]]" (benchmarks and
-    device tests; $KVSTORE_DIRECT_TUNING is applied at import)."""
+    mma_target_blocks[,mma_pipe[,mma_stages[,mma_sub[,mma_raw[,mma_early_issue]]]]]]]"
+    (benchmarks and device tests; $KVSTORE_DIRECT_TUNING is applied at import)."""
     global UNROLL, NUM_WARPS, TARGET_BLOCKS, DIMS_PER_LANE, MMA_WARPS, MMA_TARGET_BLOCKS, MMA_PIPE
-    global MMA_STAGES, MMA_SUB, MMA_RAW
+    global MMA_STAGES, MMA_SUB, MMA_RAW, MMA_EARLY_ISSUE
     values = [int(x) for x in text.split(",")]
     UNROLL, NUM_WARPS, TARGET_BLOCKS = values[:3]
     if len(values) > 3:
@@ -87,6 +96,8 @@ def apply_tuning(text: str) -> None:
         MMA_SUB = values[8]
     if len(values) > 9:
         MMA_RAW = bool(values[9])
+    if len(values) > 10:
+        MMA_EARLY_ISSUE = bool(values[10])
 
 
 if os.environ.get(TUNING_ENV):
@@ -177,6 +188,7 @@ class LaunchPlan:
     partial_shape: tuple  # (B * Hq * L, num_splits)
     output_shape: tuple
     output_dtype: mx.Dtype
+    shared_memory: int = 0  # dynamic shared bytes of the split kernel (0: static only)
 
 
 def plan_launch(
@@ -200,7 +212,7 @@ def plan_launch(
         tuple(queries.shape), queries.dtype, tuple((tuple(p.shape), p.dtype) for p in plane_arrays),
         tuple(block_tables.shape), tuple(context_lens), layout, scale, mask, window,
         sinks is not None, UNROLL, NUM_WARPS, TARGET_BLOCKS, DIMS_PER_LANE, kernel,
-        MMA_WARPS, MMA_TARGET_BLOCKS, MMA_PIPE, MMA_STAGES, MMA_SUB, MMA_RAW,
+        MMA_WARPS, MMA_TARGET_BLOCKS, MMA_PIPE, MMA_STAGES, MMA_SUB, MMA_RAW, MMA_EARLY_ISSUE,
     )
     cached = _PLANS.get(key)
     if cached is None:
@@ -336,24 +348,26 @@ def _build_mma_plan(
         raise ValueError(f"the tensor-core kernel does not serve layout {layout} with head dims "
                          f"{shape.k_head_dim}/{shape.v_head_dim} and {queries.dtype} queries")
     rows16 = shape.rep * shape.num_queries > 8 and shape.k_head_dim <= 128
-    num_splits, row_chunks, meta = _split_plan(shape, context_lens, window, scale, 16 if rows16 else 8,
+    rows = 16 if rows16 else 8
+    num_splits, row_chunks, meta = _split_plan(shape, context_lens, window, scale, rows,
                                                MMA_TARGET_BLOCKS, align=16)
     causal = shape.num_queries > 1 and (mask == "causal" or window is not None)
     d = shape.k_head_dim
     raw_words = 2 * (d // 4) * layout.k_bits // 32 + 4 * (d // 8) * layout.v_bits // 32
     # cp.async rings: a warp step is 16 tokens of every plane (codes and four scale planes)
     slot = 16 * (d * (layout.k_bits + layout.v_bits) // 8 + 4 * 4 * (d // layout.group_size))
-    stages = min(4, MMA_SHARED_BYTES // (MMA_WARPS * slot)) if MMA_STAGES is None else MMA_STAGES
+    stages = min(4, (MMA_SHARED_BYTES - rows * d * 4) // (MMA_WARPS * slot)) if MMA_STAGES is None else MMA_STAGES
     if shape.block_size % 16 or stages < 2:
         stages = 0
     raw = raw_codes_serve(layout, d, stages)
-    # two steps per warp iteration paid off when every pair was dequantized before the mma;
-    # with raw codes one step held the same 128K times in 140 registers instead of 170, but
-    # measured slower at 32K in one run: open to a re-tune (docs/kernels.md, H200 tables)
+    # raw codes take one step per warp iteration (140 registers, so two 6-warp blocks fit an
+    # SM; two steps need 170); two steps paid off when every pair was dequantized before the
+    # mma (H200 sweeps in docs/kernels.md)
     sub = (2 if stages >= 4 and not raw else 1) if MMA_SUB is None else MMA_SUB
     if stages < 2 * sub:  # a warp needs its iteration's slots plus at least one iteration ahead
         sub = 1
     stages -= stages % sub
+    separate_queries, shared_memory = _mma_shared_layout(d, rows, stages, slot)
     split_template = [
         ("D", d),
         ("ROWS16", rows16),
@@ -372,9 +386,33 @@ def _build_mma_plan(
         ("STAGES", max(stages, 1)),
         ("SUB", sub),
         ("RAW", raw),
+        ("QSEP", separate_queries),
+        ("SMEM", shared_memory),
     ]
-    return _launch_plan("mma", layout, shape, queries, sinks, num_splits, row_chunks, meta,
+    plan = _launch_plan("mma", layout, shape, queries, sinks, num_splits, row_chunks, meta,
                         MMA_WARPS * 32, split_template)
+    plan.shared_memory = shared_memory
+    return plan
+
+
+def _mma_shared_layout(head_dim: int, rows: int, stages: int, slot: int) -> tuple[bool, int]:
+    """(separate query space, dynamic shared bytes) of the tensor-core kernel, mirroring its
+    SHARED layout: one region for the rings (stages > 0) or the warps' partial outputs, and
+    the block's float32 queries either after it (their own space: the rings' first copies are
+    issued before the query prologue) or overlaid on it. Static shared memory while the whole
+    block fits STATIC_SHARED_BYTES (the block table and softmax state included), preferring
+    the separate layout; beyond that (deep rings) the region is dynamic shared memory
+    (0 bytes: static)."""
+    ring = MMA_WARPS * stages * slot
+    queries = rows * head_dim * 4
+    region = max(ring, MMA_WARPS * rows * head_dim * 4)
+    rest = TABLE_CAP * 4 + 2 * MMA_WARPS * rows * 4
+    if stages and MMA_EARLY_ISSUE and region + queries + rest <= STATIC_SHARED_BYTES:
+        return True, 0
+    if max(region, queries) + rest <= STATIC_SHARED_BYTES:
+        return False, 0
+    # MLX opts a kernel in to more than 48 KB only above 48000 dynamic bytes
+    return stages > 0 and MMA_EARLY_ISSUE, max(region + queries, 48001)
 
 
 def raw_codes_serve(layout: PageLayout, head_dim: int, stages: int) -> bool:

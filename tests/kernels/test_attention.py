@@ -151,6 +151,47 @@ def test_long_splits_keep_relative_precision(impl, layout, contexts):
     assert rel <= 5e-3, f"relative L2 error {rel:.2e} against the reference"
 
 
+# The tensor-core kernel's shared-memory layouts (kernels/direct._mma_shared_layout): the
+# queries in their own space, so the rings' first copies are issued before the query prologue
+# (the default where it fits in 48 KB), overlaid on the rings (16 rows per block, or early
+# issue turned off), and rings deeper than static shared memory allows (dynamic shared memory,
+# which MLX opts the kernel in to). The plan is checked everywhere; the kernel on CUDA.
+SHARED_LAYOUTS = [
+    # direct.py overrides, layout, GQA ratio, queries L, expected (queries separate, dynamic)
+    ({}, "k4v4-rot-f16", 4, 1, (True, False)),
+    ({"MMA_EARLY_ISSUE": False}, "k4v4-rot-f16", 4, 1, (False, False)),
+    ({"MMA_STAGES": 2}, "k8v8-f16", 8, 2, (False, False)),  # 16 rows per block: no room beside the rings
+    ({"MMA_STAGES": 8}, "k4v4-rot-f16", 4, 1, (True, True)),
+    ({"MMA_WARPS": 6}, "k4v4-rot-f16", 4, 1, (True, True)),  # the shipped 6 warps: 4 steps need 60 KB
+    ({"MMA_STAGES": 8, "MMA_SUB": 2, "MMA_RAW": False}, "k8v4-rot", 4, 3, (True, True)),
+]
+
+
+@pytest.mark.parametrize("overrides,layout,gqa,queries,expected", SHARED_LAYOUTS,
+                         ids=["separate", "overlaid", "overlaid-16-rows", "dynamic", "dynamic-6-warps", "dynamic-pairs"])
+def test_tensor_core_shared_layouts(monkeypatch, overrides, layout, gqa, queries, expected):
+    from kernels import direct
+
+    base = dict(MMA_WARPS=4, MMA_STAGES=None, MMA_SUB=None, MMA_RAW=True, MMA_EARLY_ISSUE=True,
+                MMA_SHARED_BYTES=96 * 1024)
+    for name, value in {**base, **overrides}.items():  # independent of $KVSTORE_DIRECT_TUNING
+        monkeypatch.setattr(direct, name, value)
+    case = make_case(layout, head_dim=128, n_kv_heads=2, gqa=gqa, block_size=16,
+                     context_lens=[3000, 1100], num_queries=queries)
+    options = dict(scale=128**-0.5, mask="causal" if queries > 1 else None)
+    plan = direct.plan_launch(case.queries, case.planes, case.block_tables, case.context_lens,
+                              case.layout, kernel="mma", **options)
+    template = dict(plan.split_template)
+    assert (template["QSEP"], plan.shared_memory > 0) == expected
+    assert template["SMEM"] == plan.shared_memory
+    assert plan.shared_memory == 0 or plan.shared_memory > 48000  # where MLX opts in
+    if not cuda_available():
+        pytest.skip("plan checked; the tensor-core kernel itself runs on CUDA only")
+    expected_out = run(case, "reference", **options)
+    got = run(case, "cuda", **options)
+    assert max_error(got, expected_out) <= TOLERANCE[case.queries.dtype]
+
+
 def dense_truth(case, scale, mask, window) -> np.ndarray:
     """Float64 attention in numpy from the dequantized pages: checks the reference itself."""
     from kernels.paging import gather_pages, prepare_queries
