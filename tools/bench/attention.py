@@ -12,7 +12,9 @@ Measured in one run, per (batch, context):
   reference    paged_attention(impl="reference") per page format (gather, dequantize, SDPA)
   direct       paged_attention with the direct path per page format (cuda/metal kernel on a
                GPU, the partitioned MLX-ops path on the CPU)
-Times are medians over repeats; each sample evaluates --inner independent calls and divides.
+Times are medians over repeats; each sample evaluates a chain of calls (each call's output is
+the next call's queries, as in decode, layer after layer) and divides: on a GPU as many calls
+as fill about 10 ms (--sample-ms; the printed calls per sample), on the CPU --inner (1).
 The methods of a case are timed in interleaved rounds (one sample of each in turn), and "vs
 dense" is the median over rounds of the ratio within a round, so slow drift of the machine
 (clocks, other load) falls on dense and the method alike.
@@ -66,22 +68,33 @@ def load_mlx_lm_quantized_sdpa():
     return module.quantized_scaled_dot_product_attention
 
 
-def _warm(fn, inner: int) -> None:
+def _calls(fn, inner: int, chain_from=None) -> list:
+    """The outputs of `inner` calls of fn: independent calls of fn() (chain_from None), or a
+    chain in which each call's output is the next call's queries, fn(chain_from) first."""
+    if chain_from is None:
+        return [fn() for _ in range(inner)]
+    x = chain_from
+    for _ in range(inner):
+        x = fn(x)
+    return [x]
+
+
+def _warm(fn, inner: int, chain_from=None) -> None:
     for _ in range(2):
-        mx.eval([fn() for _ in range(inner)])
+        mx.eval(_calls(fn, inner, chain_from))
     mx.synchronize()
 
 
-def _sample(fn, inner: int) -> tuple[float, float]:
-    """Seconds per call of one sample of `inner` independent calls: (eval only, build + eval)."""
-    outputs = [fn() for _ in range(inner)]
+def _sample(fn, inner: int, chain_from=None) -> tuple[float, float]:
+    """Seconds per call of one sample of `inner` calls (see _calls): (eval only, build + eval)."""
+    outputs = _calls(fn, inner, chain_from)
     mx.synchronize()
     start = time.perf_counter()
     mx.eval(outputs)
     mx.synchronize()
     eval_only = (time.perf_counter() - start) / inner
     start = time.perf_counter()
-    mx.eval([fn() for _ in range(inner)])
+    mx.eval(_calls(fn, inner, chain_from))
     mx.synchronize()
     return eval_only, (time.perf_counter() - start) / inner
 
@@ -99,24 +112,37 @@ def timed(fn, repeats: int, inner: int) -> tuple[float, float]:
     return statistics.median(x for x, _ in samples), statistics.median(y for _, y in samples)
 
 
-def timed_rounds(fns: dict, repeats: int, inner: int) -> dict[str, list[tuple[float, float]]]:
+def timed_rounds(fns: dict, repeats: int, inner: int, sample_s: float = 0.0,
+                 chain_from=None) -> tuple[dict, dict]:
     """Samples (as timed()'s) of every function in fns, interleaved: each of `repeats` rounds
-    takes one sample of each in turn."""
-    for fn in fns.values():
-        _warm(fn, inner)
+    takes one sample of each in turn. Returns (samples, calls per sample) by name. With
+    chain_from, the functions take queries and each sample is a chain of calls (_calls).
+
+    With sample_s, a method's calls per sample are as many as fill sample_s of evaluation
+    (at least 1, at most 1000; estimated from one sample of `inner` calls after warm-up),
+    so the cost of starting a sample is spread thin for fast and slow methods alike. On the
+    H200 that cost is hundreds of microseconds: with 10 calls per sample dense SDPA at 128K
+    measured 175.7 us per call, with 20 calls 148.0 us (the direct kernel 100.9 and 72.4)."""
+    calls = {}
+    for name, fn in fns.items():
+        _warm(fn, inner, chain_from)
+        calls[name] = inner
+        if sample_s:
+            calls[name] = max(1, min(1000, math.ceil(sample_s / _sample(fn, inner, chain_from)[0])))
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            samples[name].append(_sample(fn, inner))
-    return samples
+            samples[name].append(_sample(fn, calls[name], chain_from))
+    return samples, calls
 
 
-def copy_bandwidth(nbytes: int, repeats: int) -> float:
-    """Bytes per second of an elementwise copy (counting read + write)."""
+def copy_bandwidth(nbytes: int, repeats: int, sample_s: float = 0.0) -> float:
+    """Bytes per second of an elementwise copy (counting read + write); samples sized as the
+    attention methods' (timed_rounds)."""
     x = mx.random.uniform(shape=(nbytes // 4,))
     mx.eval(x)
-    seconds = timed(lambda: x * 1.5, repeats, 1)[0]
-    return 2 * nbytes / seconds
+    samples, _ = timed_rounds({"copy": lambda: x * 1.5}, repeats, 1, sample_s)
+    return 2 * nbytes / statistics.median(t for t, _ in samples["copy"])
 
 
 def page_nbytes_per_token(layout: PageLayout, dtype_nbytes: int = 2) -> int:
@@ -172,9 +198,13 @@ def bench_case(batch, tokens, args, direct_impl, quantized_sdpa, rows, copy_bps)
 
     cases = {}  # name -> (method, format, page bytes, fn), timed together below
 
+    # Every method takes the queries as its argument: a sample chains its calls, each call's
+    # output [B, Hq, 1, D] the next call's queries, as decode runs layer after layer. (MLX
+    # runs independent calls of one evaluation concurrently on a GPU, which measured
+    # throughput, not the latency a decode step sees.)
     dense_bytes = batch * tokens * N_KV_HEADS * page_nbytes_per_token(PageLayout())
-    def dense():
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
+    def dense(q):
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)
 
     cases["dense"] = ("dense", "bf16", dense_bytes, dense)
     if quantized_sdpa is not None:
@@ -182,11 +212,11 @@ def bench_case(batch, tokens, args, direct_impl, quantized_sdpa, rows, copy_bps)
         q_values = mx.quantize(values, group_size=64, bits=4)
         mx.eval(q_keys, q_values)
         q4_bytes = sum(x.nbytes for x in (*q_keys, *q_values))
-        def mlx_lm_q4():
-            # its own array: mlx-lm scales the queries in place (`queries *= scale`), which
-            # shrank the queries of every later call of this case before this copy
-            return quantized_sdpa(mx.array(queries), q_keys, q_values, scale=scale, mask=None,
-                                  group_size=64, bits=4)
+        def mlx_lm_q4(q):
+            # mlx-lm scales its queries argument in place (`queries *= scale`): the case's own
+            # queries go in as a copy (a chain's later calls get fresh outputs)
+            return quantized_sdpa(mx.array(q) if q is queries else q, q_keys, q_values, scale=scale,
+                                  mask=None, group_size=64, bits=4)
 
         cases["mlx-lm"] = ("mlx-lm", "q4", q4_bytes, mlx_lm_q4)
     for fmt in args.formats:
@@ -197,27 +227,30 @@ def bench_case(batch, tokens, args, direct_impl, quantized_sdpa, rows, copy_bps)
         for method, impl in (("reference", "reference"), ("direct", direct_impl)):
             if method == "reference" and args.skip_reference:
                 continue
-            def call(planes=planes, tables=tables, lens=lens, layout=layout, impl=impl):
-                return paged_attention(queries, planes, tables, lens, layout, scale=scale,
+            def call(q, planes=planes, tables=tables, lens=lens, layout=layout, impl=impl):
+                return paged_attention(q, planes, tables, lens, layout, scale=scale,
                                        impl=impl, partition_tokens=args.partition_tokens)
 
             name = method if method == "reference" else f"direct:{impl}"
             cases[f"{name} {fmt}"] = (name, fmt, page_bytes, call)
 
-    samples = timed_rounds({key: case[3] for key, case in cases.items()}, args.repeats, args.inner)
+    samples, calls = timed_rounds({key: case[3] for key, case in cases.items()}, args.repeats, args.inner,
+                                  args.sample_ms / 1e3, chain_from=queries)
     dense_samples = samples["dense"]
     for key, (method, fmt, page_bytes, fn) in cases.items():
         seconds = statistics.median(x for x, _ in samples[key])
         with_build = statistics.median(y for _, y in samples[key])
         rows.append(dict(batch=batch, context=tokens, method=method, format=fmt,
-                         us=seconds * 1e6, call_us=with_build * 1e6, page_bytes=page_bytes,
+                         us=seconds * 1e6, call_us=with_build * 1e6, calls_per_sample=calls[key],
+                         page_bytes=page_bytes,
                          gbps=page_bytes / seconds / 1e9 if page_bytes else None,
                          copy_fraction=page_bytes / seconds / copy_bps if page_bytes else None,
-                         vs_dense=statistics.median(d[0] / m[0] for d, m in zip(dense_samples, samples[key])),
-                         vs_dense_build=statistics.median(d[1] / m[1] for d, m in zip(dense_samples, samples[key])),
-                         rel_err=rel_err(fn())))
+                         vs_dense=statistics.median(d[0] / m[0] for d, m in zip(dense_samples, samples[key], strict=True)),
+                         vs_dense_build=statistics.median(d[1] / m[1] for d, m in zip(dense_samples, samples[key], strict=True)),
+                         rel_err=rel_err(fn(queries))))
         print(f"  B={batch} T={tokens} {method:<10} {fmt:<7} {seconds * 1e6:10.1f} us "
-              f"(with graph build {with_build * 1e6:.1f} us)", file=sys.stderr, flush=True)
+              f"(with graph build {with_build * 1e6:.1f} us; {calls[key]} calls per sample)",
+              file=sys.stderr, flush=True)
 
 
 def print_table(rows, copy_bps):
@@ -245,7 +278,10 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", help="comma-separated batch sizes (GPU 1,8; CPU and --quick 1)")
     parser.add_argument("--formats", default=",".join(FORMATS), help="page formats (all four)")
     parser.add_argument("--repeats", type=int, help="timed samples per case (GPU 11, CPU 5, --quick 3)")
-    parser.add_argument("--inner", type=int)
+    parser.add_argument("--inner", type=int, help="calls per sample (GPU 10, CPU 1); with --sample-ms, "
+                                                  "the calls of the sample that sizes it")
+    parser.add_argument("--sample-ms", type=float,
+                        help="size each method's samples to this much evaluation (GPU 10; CPU 0: --inner calls)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--partition-tokens", type=int, default=1024)
     parser.add_argument("--impl", help="direct implementation (default: dispatch)")
@@ -275,8 +311,10 @@ def main(argv=None) -> int:
     args.formats = args.formats.split(",")
     args.repeats = args.repeats or (3 if args.quick else 11 if on_gpu else 5)
     args.inner = args.inner or (10 if on_gpu else 1)
+    if args.sample_ms is None:
+        args.sample_ms = 10.0 if on_gpu else 0.0
 
-    copy_bps = copy_bandwidth((1 << 30) if on_gpu else (1 << 28), args.repeats)
+    copy_bps = copy_bandwidth((1 << 30) if on_gpu else (1 << 28), args.repeats, args.sample_ms / 1e3)
     quantized_sdpa = load_mlx_lm_quantized_sdpa()
     print(f"device {mx.default_device()}, direct impl {direct_impl}, block size {args.block_size}, "
           f"{N_Q_HEADS} q heads / {N_KV_HEADS} kv heads / head dim {HEAD_DIM}, decode (L=1)")
