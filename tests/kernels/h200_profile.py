@@ -16,7 +16,7 @@ from kernels import cuda, cuda_mma, direct
 from tests.kernels.pages import make_case
 from tools.bench.attention import timed
 
-INNER = 20
+INNER = 100  # calls per sample: the cost of starting a sample (~250 us on the H200) spread thin
 TUNE = True
 
 
@@ -72,30 +72,68 @@ def ncu_target() -> None:
         mx.eval(cuda.launch(plan))
 
 
-def tune_only() -> None:
-    """Dense SDPA beside the tensor-core kernel's tunings at 32K and 128K, interleaved."""
-    for tokens in (32768, 131072):
-        case = make_case("k4v4-rot", head_dim=128, n_kv_heads=8, gqa=4, block_size=16,
+def tune_only(repeats: int = 7, layout: str = "k4v4-rot", contexts=(32768, 131072), tunings=None) -> None:
+    """Dense SDPA beside the tensor-core kernel's tunings at 32K and 128K, as the benchmark
+    times them: interleaved rounds, each sample a chain of calls (each call's output the next
+    call's queries) filling about 10 ms; ratios are medians of within-round ratios."""
+    from dataclasses import replace
+    from statistics import median
+
+    from tools.bench.attention import timed_rounds
+
+    tunings = tunings or TUNINGS
+    for tokens in contexts:
+        case = make_case(layout, head_dim=128, n_kv_heads=8, gqa=4, block_size=16,
                          context_lens=[tokens], num_queries=1)
         keys = mx.random.normal((1, 8, tokens, 128)).astype(mx.bfloat16)
         values = mx.random.normal((1, 8, tokens, 128)).astype(mx.bfloat16)
         q = case.queries.astype(mx.bfloat16)
         mx.eval(keys, values, q)
-        for round_ in range(2):
-            dense = eval_us(lambda: mx.fast.scaled_dot_product_attention(q, keys, values, scale=128**-0.5))
-            print(f"T={tokens} round {round_}: dense {dense:.1f} us", flush=True)
-            for tuning in TUNINGS:
-                direct.apply_tuning(tuning)
-                plan = direct.plan_launch(q, case.planes, case.block_tables, case.context_lens,
-                                          case.layout, scale=128**-0.5, kernel="mma")
-                mx.eval(plan.meta)
-                us = eval_us(lambda: cuda.launch(plan))
-                print(f"  tune {tuning}: split+merge {us:.1f} us = {dense / us:.2f}x dense "
-                      f"(splits {plan.num_splits})", flush=True)
+        fns = {"dense": lambda x, k=keys, v=values: mx.fast.scaled_dot_product_attention(x, k, v, scale=128**-0.5)}
+        plans = {}
+        for tuning in tunings:
+            direct.apply_tuning(tuning)
+            plans[tuning] = direct.plan_launch(q, case.planes, case.block_tables, case.context_lens,
+                                               case.layout, scale=128**-0.5, kernel="mma")
+            mx.eval(plans[tuning].meta)
+            fns[tuning] = lambda x, plan=plans[tuning]: cuda.launch(
+                replace(plan, split_inputs=[x, *plan.split_inputs[1:]]))
+        samples, calls = timed_rounds(fns, repeats, 10, 0.01, chain_from=q)
+        dense = median(t for t, _ in samples["dense"]) * 1e6
+        print(f"{layout} T={tokens}: dense {dense:.1f} us ({calls['dense']} calls per sample)", flush=True)
+        for tuning in tunings:
+            us = median(t for t, _ in samples[tuning]) * 1e6
+            ratio = median(d[0] / m[0] for d, m in zip(samples["dense"], samples[tuning], strict=True))
+            print(f"  tune {tuning}: split+merge {us:.1f} us = {ratio:.2f}x dense "
+                  f"(splits {plans[tuning].num_splits})", flush=True)
 
 
-TUNINGS = ("2,4,264,16,4,264,0,4,2,0", "2,4,264,16,4,264,0,4,1,0", "2,4,264,16,4,264,0,4,2,1",
-           "2,4,264,16,4,264,0,4,1,1", "2,4,264,16,4,528,0,4,2,0", "2,4,264,16,4,396,0,4,1,1")
+TUNINGS = (
+    "2,4,264,16,4,264,0,4,1,1,1",  # raw codes, one step per iteration, 4 warps (8 per SM)
+    "2,4,264,16,4,264,0,4,2,1,1",  # raw codes, two steps per iteration
+    "2,4,264,16,4,264,0,4,2,0,1",  # per-pair dequantization, two steps (121 registers)
+    "2,4,264,16,6,264,0,4,1,1,1",  # 6 warps per block: 12 per SM (dynamic shared memory)
+    "2,4,264,16,8,264,0,4,2,0,1",  # 8 warps per block: 16 per SM
+    "2,4,264,16,4,396,0,4,2,0,1",  # three blocks of 4 warps per SM
+    "2,4,264,16,4,528,0,4,2,0,1",  # four
+    "2,4,264,16,4,198,0,4,1,1,1",  # fewer, longer splits
+)
+
+
+def floors() -> None:
+    """Per-call time of an empty kernel and of small dense SDPA against calls per sample:
+    the part of every benchmark figure that is launch and synchronization, not attention."""
+    empty = empty_kernel()
+    one = mx.zeros((1,), mx.float32)
+    q = mx.random.normal((1, 32, 1, 128)).astype(mx.bfloat16)
+    k = mx.random.normal((1, 8, 4096, 128)).astype(mx.bfloat16)
+    mx.eval(q, k)
+    for inner in (1, 10, 40):
+        e = timed(lambda: empty(inputs=[one], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(1,)],
+                                output_dtypes=[mx.float32])[0], 9, inner)[0] * 1e6
+        d = timed(lambda: mx.fast.scaled_dot_product_attention(q, k, k, scale=128**-0.5), 9, inner)[0] * 1e6
+        print(f"floor: {inner} calls per sample: empty kernel {e:.1f} us, dense SDPA 4K {d:.1f} us per call",
+              flush=True)
 
 
 def main() -> None:
@@ -116,7 +154,7 @@ def main() -> None:
         plan = direct.plan_launch(q, case.planes, case.block_tables, case.context_lens, case.layout,
                                   scale=128**-0.5, kernel="mma")
         mx.eval(plan.meta)
-        split = cuda_mma.split_kernel()
+        split = cuda_mma.split_kernel(plan.shared_memory)
 
         def split_only():
             return split(inputs=plan.split_inputs, template=plan.split_template,
@@ -168,6 +206,12 @@ if __name__ == "__main__":
     if "--ncu" in sys.argv:
         ncu_target()
     elif "--tune" in sys.argv:
+        floors()
         tune_only()
+    elif "--tune-8bit" in sys.argv:  # ring depth and warps for the 8-bit formats at 128K
+        for layout in ("k8v8-rot", "k8v4-rot"):
+            tune_only(layout=layout, contexts=(131072,), tunings=(
+                "2,4,264,16,4,264,0,2,1,1,1", "2,4,264,16,4,264,0,3,1,1,1",
+                "2,4,264,16,6,264,0,3,1,1,1", "2,4,264,16,6,264,0,4,1,1,1"))
     else:
         main()
