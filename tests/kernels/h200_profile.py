@@ -6,6 +6,10 @@ same page bytes through mx.fast.cuda_kernel (the bandwidth floor for this launch
 an empty kernel (the launch floor); then the tensor-core kernel's launch parameters.
 
   python3 tests/kernels/h200_profile.py
+  python3 tests/kernels/h200_profile.py --tune        # launch floors, then TUNINGS against
+                                                      # dense, timed as the benchmark times them
+  python3 tests/kernels/h200_profile.py --tune-8bit   # warps and ring depth for k8v8, k8v4
+  ncu ... python3 tests/kernels/h200_profile.py --ncu # one 128K call, repeated
 """
 
 from __future__ import annotations
