@@ -121,8 +121,9 @@ def timed_rounds(fns: dict, repeats: int, inner: int, sample_s: float = 0.0,
     With sample_s, a method's calls per sample are as many as fill sample_s of evaluation
     (at least 1, at most 1000; estimated from one sample of `inner` calls after warm-up),
     so the cost of starting a sample is spread thin for fast and slow methods alike. On the
-    H200 that cost is hundreds of microseconds: with 10 calls per sample dense SDPA at 128K
-    measured 175.7 us per call, with 20 calls 148.0 us (the direct kernel 100.9 and 72.4)."""
+    H200 an empty kernel measured 50-74 us per call at 1 call per sample, 4-6 us at 40, and
+    dense SDPA at 128K 175.7 us per call with 10 calls per sample against 148.0 us with 20
+    (that run also warmed each sample up with 20 untimed calls; docs/kernels.md)."""
     calls = {}
     for name, fn in fns.items():
         _warm(fn, inner, chain_from)
