@@ -306,7 +306,8 @@ def _split_plan(shape, context_lens: list[int], window: int | None, scale: float
 
 
 def _launch_plan(kernel: str, layout: PageLayout, shape, queries: mx.array, sinks, num_splits: int,
-                 row_chunks: int, meta: mx.array, threads: int, split_template: list) -> LaunchPlan:
+                 row_chunks: int, meta: mx.array, threads: int, split_template: list,
+                 shared_memory: int = 0) -> LaunchPlan:
     """The LaunchPlan both split kernels share the merge and partial layout of."""
     merge_template = [("D", shape.v_head_dim), ("HAS_SINKS", sinks is not None), ("OutT", queries.dtype)]
     return LaunchPlan(
@@ -325,6 +326,7 @@ def _launch_plan(kernel: str, layout: PageLayout, shape, queries: mx.array, sink
         partial_shape=(shape.batch * shape.n_q_heads * shape.num_queries, num_splits),
         output_shape=(shape.batch, shape.n_q_heads, shape.num_queries, shape.v_head_dim),
         output_dtype=queries.dtype,
+        shared_memory=shared_memory,
     )
 
 
@@ -389,10 +391,8 @@ def _build_mma_plan(
         ("QSEP", separate_queries),
         ("SMEM", shared_memory),
     ]
-    plan = _launch_plan("mma", layout, shape, queries, sinks, num_splits, row_chunks, meta,
-                        MMA_WARPS * 32, split_template)
-    plan.shared_memory = shared_memory
-    return plan
+    return _launch_plan("mma", layout, shape, queries, sinks, num_splits, row_chunks, meta,
+                        MMA_WARPS * 32, split_template, shared_memory)
 
 
 def _mma_shared_layout(head_dim: int, rows: int, stages: int, slot: int) -> tuple[bool, int]:
