@@ -16,7 +16,9 @@ Nouns:
               chain keys, attachment digests (non-paged state) and metadata.
               A checkpoint pins its blocks and pages against eviction and GC.
   Store       the embedded LMDB store; its method set is the protocol that the
-              HTTP client (RemoteStore) implements too.
+              HTTP client (RemoteStore) and the S3 tier (TieredStore) implement too.
+  protocol    kvstore/protocol.py declares it: the narrow views PageReader,
+              PageWriter, StoreAdmin, and capabilities such as maps_pages.
 """
 
 from kvstore.errors import (  # noqa: F401

@@ -144,6 +144,12 @@ class RemoteStore:
         self._formats: dict[bytes, FormatIdentity] = {}
         self._local = Store(local_dir, readonly=True) if local_dir is not None else None
 
+    @property
+    def maps_pages(self) -> bool:
+        """True only with local_dir: get_pages then yields views of the server's map;
+        over HTTP it fetches every page into a buffer it allocates (kvstore/protocol.py)."""
+        return self._local is not None
+
     def close(self) -> None:
         if self._replayer is not None:
             self._replayer.shutdown(wait=True)  # pending lookups reach the server first

@@ -218,6 +218,11 @@ class Store:
             self._init_meta()
         self._check_schema()
 
+    @property
+    def maps_pages(self) -> bool:
+        """get_pages yields zero-copy views of the LMDB map (kvstore/protocol.py)."""
+        return True
+
     @classmethod
     def open(cls, path, **config) -> "Store":
         return cls(path, StoreConfig(**config) if config else None)

@@ -114,6 +114,12 @@ class TieredStore:
         return self.local.path
 
     @property
+    def maps_pages(self) -> bool:
+        """get_pages answers from the local store's map; pages pulled from the bucket
+        are inserted locally first (kvstore/protocol.py)."""
+        return True
+
+    @property
     def lmdb(self):
         """The local environment (tools that read a local store directly use it)."""
         return self.local.lmdb

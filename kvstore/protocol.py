@@ -1,0 +1,120 @@
+"""What a store can do, declared: the narrow views callers take, and their capabilities.
+
+Three classes implement the whole protocol (StoreProtocol): kvstore.store.Store (the
+embedded LMDB store), kvstore.client.RemoteStore (the same over HTTP) and
+kvstore.tier.TieredStore (a local Store in front of an S3 bucket). A caller names the
+narrowest view it uses, as restic's Loader and Saver views of its Repository do:
+
+  PageReader     what a restore needs: formats, prefix lookup, block records,
+                 verified pages, checkpoints.
+  PageWriter     what a publish needs: formats, missing(), put_pages, commit_blocks,
+                 has_blocks, checkpoints.
+  StoreAdmin     capacity and maintenance: stats, evict, check, plan_gc.
+
+Capabilities are attributes of the protocol, never guessed from the method set
+(`hasattr(store, "get_pages")` is true of every implementation, so it says nothing):
+
+  maps_pages     True when get_pages yields zero-copy views of pages that lie in a
+                 memory-mapped local file, so a restore needs no staging buffer of
+                 its own for them. Store: True. RemoteStore: True only when it reads
+                 through local_dir (the server's directory, opened read-only), else
+                 False: get_pages then fetches each page into a buffer it allocates,
+                 and a restore must price those buffers. TieredStore: True: get_pages
+                 answers from the local store's map; pages pulled from the bucket are
+                 inserted locally first (in batches of at most INSERT_BATCH_NBYTES) and
+                 then mapped.
+
+Semantics every implementation keeps (the conformance test in
+tests/kvstore/test_protocol.py checks the method set and signatures of all three):
+
+  get_pages         verifies every page; a damaged page is quarantined and raises
+                    IntegrityError once, at that read.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Iterable, Mapping, Protocol, Sequence, runtime_checkable
+
+from kvstore.format import FormatIdentity
+from kvstore.ids import PageDigest
+from kvstore.records import BlockRecord, Checkpoint
+
+
+@runtime_checkable
+class PageReader(Protocol):
+    """The reads of a restore (see the module docstring)."""
+
+    @property
+    def maps_pages(self) -> bool: ...
+
+    def get_format(self, format_id) -> FormatIdentity: ...
+
+    def list_formats(self) -> list[FormatIdentity]: ...
+
+    def lookup_prefix(self, format_id, namespace: str, tokens: Sequence[int], *,
+                      max_tokens: int | None = None): ...
+
+    def has_blocks(self, keys: Sequence) -> list[bool]: ...
+
+    def get_blocks(self, keys: Sequence) -> list[BlockRecord]: ...
+
+    def list_blocks(self, namespace: str | None = None, *, after=None,
+                    limit: int = 1000) -> list[BlockRecord]: ...
+
+    def get_pages(self, digests: Sequence) -> AbstractContextManager[list]: ...
+
+    def read_pages(self, digests: Sequence) -> list[bytes]: ...
+
+    def read_pages_into(self, digests: Sequence, buffers: Sequence) -> int: ...
+
+    def page_nbytes(self, digests: Sequence) -> list[int]: ...
+
+    def get_checkpoint(self, namespace: str, name: str) -> Checkpoint: ...
+
+    def list_checkpoints(self, namespace: str | None = None) -> list[Checkpoint]: ...
+
+
+@runtime_checkable
+class PageWriter(Protocol):
+    """The writes of a publish: missing -> put_pages -> commit_blocks -> checkpoint."""
+
+    def put_format(self, identity: FormatIdentity) -> bytes: ...
+
+    def missing(self, digests: Iterable) -> list[PageDigest]: ...
+
+    def put_pages(self, pages: Mapping | Iterable[tuple]): ...
+
+    def has_blocks(self, keys: Sequence) -> list[bool]: ...
+
+    def commit_blocks(self, blocks: Sequence[BlockRecord]): ...
+
+    def create_checkpoint(self, checkpoint: Checkpoint, *, replace: bool = False) -> Checkpoint: ...
+
+    def delete_checkpoint(self, namespace: str, name: str) -> None: ...
+
+
+@runtime_checkable
+class StoreAdmin(Protocol):
+    """Capacity and maintenance."""
+
+    def stats(self): ...
+
+    def evict(self, to_nbytes: int): ...
+
+    def check(self, read_data: bool = False, subset: tuple[int, int] | None = None,
+              progress=None): ...
+
+    def plan_gc(self, grace_s: float = 3600.0): ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class StoreProtocol(PageReader, PageWriter, StoreAdmin, Protocol):
+    """Everything: what Store, RemoteStore and TieredStore all implement."""
+
+
+VIEWS = (PageReader, PageWriter, StoreAdmin)
+
+__all__ = ["PageReader", "PageWriter", "StoreAdmin", "StoreProtocol", "VIEWS"]
