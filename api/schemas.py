@@ -186,6 +186,7 @@ class StatsOut(BaseModel):
     lookup_hits: int
     tokens_looked_up: int
     tokens_matched: int
+    lookups_stopped_at_damage: int = 0
     dedup_ratio: float
     compression_ratio: float
     # present when an S3 tier is behind the store (kvstore/tier): the upload backlog

@@ -158,6 +158,9 @@ class StoreStats:
     lookup_hits: int
     tokens_looked_up: int
     tokens_matched: int
+    # lookups whose match stopped before a block naming a missing or quarantined page
+    # (this process, since open; the caller recomputed from there)
+    lookups_stopped_at_damage: int = 0
 
     @property
     def dedup_ratio(self) -> float:
@@ -213,7 +216,8 @@ class Store:
         self._touch_lock = threading.Lock()
         self._pending_touches: dict[bytes, int] = {}
         self._touches_since = 0.0
-        self._lookups = [0, 0, 0, 0]  # lookups, hits, tokens asked, tokens matched
+        # lookups, hits, tokens asked, tokens matched, lookups stopped at a damaged block
+        self._lookups = [0, 0, 0, 0, 0]
         if not readonly:
             self._init_meta()
         self._check_schema()
@@ -510,41 +514,62 @@ class Store:
                             break
         return out
 
-    def has_blocks(self, keys: Sequence) -> list[bool]:
+    def find_blocks(self, keys: Sequence) -> list[BlockRecord | None]:
+        """The stored record of each key, or None: record presence only (a record whose
+        pages are damaged is still returned; has_blocks says whether it is complete)."""
         with self._lmdb.read() as txn:
-            return [txn.get(ChainKey.coerce(k), db=self._lmdb.dbs["blocks"]) is not None
-                    for k in keys]
+            raws = [txn.get(ChainKey.coerce(k), db=self._lmdb.dbs["blocks"]) for k in keys]
+        return [BlockRecord.decode(raw) if raw is not None else None for raw in raws]
+
+    def has_blocks(self, keys: Sequence) -> list[bool]:
+        """One bool per key: True only when the block's record is stored and every page
+        it names is present (not missing, not quarantined). A block that answers False
+        is published again, pages and all; that is how a quarantined page heals. A
+        presence check: page values are never copied (buffers=True) or hashed."""
+        dbs = self._lmdb.dbs
+        with self._lmdb.read(buffers=True) as txn:
+            return [_complete_record(txn, dbs, ChainKey.coerce(k)) is not None for k in keys]
 
     def lookup_prefix(self, format_id, namespace: str, tokens: Sequence[int], *,
                       max_tokens: int | None = None) -> PrefixMatch:
         """The longest run of stored blocks that prefixes `tokens` (at most max_tokens
         of them), under this format and namespace only. A trailing partial block
-        matches when its tokens prefix the rest."""
+        matches when its tokens prefix the rest. The match stops before the first
+        block that names a missing or quarantined page (a presence check, no hashing):
+        the caller recomputes from there, and stats count the lookup in
+        lookups_stopped_at_damage."""
         fid = _format_id_bytes(format_id)
         check_namespace(namespace)
         tokens = list(tokens)[: max_tokens if max_tokens is not None else None]
         identity = self._cached_format(fid)
         matched: list[BlockRecord] = []
+        damaged = False
         if identity is not None and tokens:
             bs = identity.block_size_tokens
             parent, pos = ROOT_KEY, 0
-            with self._lmdb.read() as txn:
-                db = self._lmdb.dbs["blocks"]
+            dbs = self._lmdb.dbs
+            with self._lmdb.read(buffers=True) as txn:  # presence of pages: never copied
                 while pos + bs <= len(tokens):
                     key = chain_key(fid, namespace, parent, tokens[pos : pos + bs])
-                    raw = txn.get(key, db=db)
-                    if raw is None:
+                    record = _complete_record(txn, dbs, key)
+                    if record is None:
+                        damaged = txn.get(key, db=dbs["blocks"]) is not None
                         break
-                    matched.append(BlockRecord.decode(raw))
+                    matched.append(record)
                     parent, pos = key, pos + bs
-                for n in range(min(len(tokens) - pos, bs - 1), 0, -1):
-                    key = chain_key(fid, namespace, parent, tokens[pos : pos + n])
-                    raw = txn.get(key, db=db)
-                    if raw is not None:
-                        matched.append(BlockRecord.decode(raw))
+                if not damaged:  # a trailing partial block, after the full ones
+                    for n in range(min(len(tokens) - pos, bs - 1), 0, -1):
+                        key = chain_key(fid, namespace, parent, tokens[pos : pos + n])
+                        if txn.get(key, db=dbs["blocks"]) is None:
+                            continue
+                        record = _complete_record(txn, dbs, key)
+                        if record is None:
+                            damaged = True
+                        else:
+                            matched.append(record)
                         break
         count = sum(len(b.tokens) for b in matched)
-        self._note_lookup(len(tokens), count, [b.key for b in matched])
+        self._note_lookup(len(tokens), count, [b.key for b in matched], damaged)
         return PrefixMatch(count, tuple(matched))
 
     # -- checkpoints ---------------------------------------------------------------------
@@ -627,14 +652,15 @@ class Store:
             counts = {name: txn.stat(dbs[name])["entries"] for name in
                       ("pages", "blocks", "checkpoints", "formats", "quarantine", "pins")}
             counters = {name: _get_u64(txn, dbs["meta"], name.encode()) for name in COUNTERS}
-        lookups, hits, asked, matched = self._lookups
+        lookups, hits, asked, matched, stopped = self._lookups
         return StoreStats(
             page_count=counts["pages"], block_count=counts["blocks"],
             checkpoint_count=counts["checkpoints"], format_count=counts["formats"],
             quarantined_count=counts["quarantine"], pinned_block_count=counts["pins"],
             budget_nbytes=self.config.budget_nbytes, map_nbytes=self._lmdb.map_nbytes(),
             file_nbytes=self._lmdb.used_nbytes(), lookups=lookups, lookup_hits=hits,
-            tokens_looked_up=asked, tokens_matched=matched, **counters,
+            tokens_looked_up=asked, tokens_matched=matched,
+            lookups_stopped_at_damage=stopped, **counters,
         )
 
     def check(self, read_data: bool = False, subset: tuple[int, int] | None = None, progress=None):
@@ -655,12 +681,13 @@ class Store:
             raise MissingReferences("the record", [f"format {bytes(format_id).hex()}"])
         return identity
 
-    def _note_lookup(self, asked: int, matched: int, keys: list[bytes]) -> None:
+    def _note_lookup(self, asked: int, matched: int, keys: list[bytes], damaged: bool) -> None:
         with self._touch_lock:
             self._lookups[0] += 1
             self._lookups[1] += 1 if matched else 0
             self._lookups[2] += asked
             self._lookups[3] += matched
+            self._lookups[4] += 1 if damaged else 0
             if not keys:
                 return
             stamp = now_ns()
@@ -731,15 +758,28 @@ def _write_pages(txn, dbs, encoded) -> tuple[int, int, int]:
             _counter(txn, dbs, "raw_nbytes", raw_nbytes)
             _counter(txn, dbs, "stored_nbytes", HEADER_NBYTES + len(stored))
             txn.put(digest, SIZES.pack(raw_nbytes, HEADER_NBYTES + len(stored)), db=dbs["page_sizes"])
-            # a page re-uploaded after quarantine: its surviving references count again
+            # a page re-uploaded after quarantine: its surviving references count again,
+            # and the damaged copy goes (the page is whole again; nothing to keep it for)
             refs = _get_u64(txn, dbs["refs"], digest)
             if refs:
                 _counter(txn, dbs, "referenced_raw_nbytes", refs * raw_nbytes)
+            txn.delete(digest, db=dbs["quarantine"])
             stored_total += HEADER_NBYTES + len(stored)
             new += 1
         txn.put(digest, stamp, db=dbs["page_times"])
     faults.crash_point("page_written")
     return new, existing, stored_total
+
+
+def _complete_record(txn, dbs, key: bytes) -> BlockRecord | None:
+    """The block record under `key` when it is stored and every page it names is in
+    `pages` (quarantine moves a page out of it); else None. txn may use buffers."""
+    raw = txn.get(bytes(key), db=dbs["blocks"])
+    if raw is None:
+        return None
+    record = BlockRecord.decode(raw)  # copies the record before any other get
+    pages = dbs["pages"]
+    return record if all(txn.get(d, db=pages) is not None for d in record.pages) else None
 
 
 def page_sizes(txn, dbs, digest: bytes, value) -> tuple[int, int]:

@@ -31,9 +31,7 @@ def commit_blocks(body: CommitBlocks, store: StoreDep,
 
 def _visible(store: Store, principal: Principal, keys: list[ChainKey]) -> list:
     """Records for `keys`, or None where absent or in another namespace."""
-    present = store.has_blocks(keys)
-    found = iter(store.get_blocks([k for k, p in zip(keys, present, strict=True) if p]))
-    records = [next(found) if p else None for p in present]
+    records = store.find_blocks(keys)
     return [r if r is not None and principal.may_access(r.namespace) else None for r in records]
 
 
@@ -51,8 +49,12 @@ def get_blocks(body: KeyList, store: StoreDep,
 @router.post("/has", response_model=Presence)
 def has_blocks(body: KeyList, store: StoreDep,
                principal: PrincipalDep) -> Presence:
+    """Present: the record is visible and every page it names is stored (not missing,
+    not quarantined), as Store.has_blocks answers."""
     keys = [ChainKey.parse(k) for k in body.keys]
-    return Presence(present=[r is not None for r in _visible(store, principal, keys)])
+    complete = store.has_blocks(keys)
+    return Presence(present=[r is not None and c for r, c in
+                             zip(_visible(store, principal, keys), complete, strict=True)])
 
 
 @router.get("", response_model=BlockList)

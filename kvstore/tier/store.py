@@ -30,7 +30,7 @@ BUCKET_DOWN_S; an explicit read of an object that is not local (get_checkpoint,
 get_blocks, get_pages, ...) raises RemoteUnavailable instead. A block whose page is missing from the bucket (a remote GC racing
 a writer, a partial upload by another tool) ends the remote prefix there: a miss.
 
-Local only, by design: missing() and has_blocks() (a publisher writes through the
+Local only, by design: missing(), has_blocks() and find_blocks() (a publisher writes through the
 local store; the uploader dedups against the bucket), evict, check, plan_gc (the
 local GC). The bucket's GC is kvstore.tier.gc.plan_remote_gc (`kvstore gc --remote`).
 """
@@ -211,7 +211,12 @@ class TieredStore:
         return self.local.missing(digests)
 
     def has_blocks(self, keys: Sequence) -> list[bool]:
+        """The local store's answer (record stored and every page present), so a block
+        with a locally quarantined page is published again, as on a plain Store."""
         return self.local.has_blocks(keys)
+
+    def find_blocks(self, keys: Sequence) -> list[BlockRecord | None]:
+        return self.local.find_blocks(keys)
 
     def list_blocks(self, namespace: str | None = None, *, after=None, limit: int = 1000):
         """The local store's block records (the bucket is listed by `kvstore gc --remote`)."""

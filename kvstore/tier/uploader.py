@@ -237,8 +237,8 @@ class Uploader:
         try:
             if kind == "page":
                 return not self.local.missing([key])
-            if kind == "block":
-                return self.local.has_blocks([key])[0]
+            if kind == "block":  # the record: its pages are separate jobs
+                return self.local.find_blocks([key])[0] is not None
             self.local.get_format(key)
             return True
         except NotFound:

@@ -169,8 +169,11 @@ def _show_checkpoint(store, what: str, namespace: Optional[str]) -> dict:
 
 
 def _show_hex(store, raw: bytes) -> Optional[dict]:
-    if all(store.has_blocks([raw])):
+    try:  # the record, also when a page it names is damaged (has_blocks says False then)
         record = store.get_blocks([raw])[0]
+    except KeyError:  # NotFound
+        record = None
+    if record is not None:
         identity = store.get_format(record.format_id)
         sizes = inventory.page_sizes(store, record.pages)
         doc = {"kind": "block", "chain_key": raw.hex(), "namespace": record.namespace,
