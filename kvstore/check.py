@@ -1,9 +1,10 @@
 """check_store: re-derive everything the index claims and report typed problems.
 
 Without read_data it checks structure: every record decodes, every block's chain key
-is its own hash, parents exist and are full blocks, pages named by blocks and
-checkpoint attachments exist (or are quarantined), reference counts, pins and
-children equal their recomputed values, and the byte counters add up.
+is its own hash, parents exist and are full blocks of the block's own namespace and
+format, pages named by blocks and checkpoint attachments exist (or are quarantined),
+reference counts, pins and children equal their recomputed values, and the byte
+counters add up.
 With read_data it also verifies every page: header, length, xxh3-128 of the stored
 bytes and blake3 of the raw bytes against the page's name. subset=(i, n) verifies
 only pages whose first digest byte is i modulo n, so a large store can be checked in
@@ -35,6 +36,7 @@ PROBLEM_KINDS = {
     "block_bad": "a block record does not decode, is not keyed by its own chain key, or "
                  "names an unknown format",
     "parent_missing": "a block's parent is not stored, or is a partial block",
+    "parent_foreign": "a block's parent is of another namespace or format",
     "refcount_wrong": "a page's stored reference count differs from the recount",
     "pin_wrong": "a block's pin count differs from the checkpoints that name it",
     "index_wrong": "a children or lru index entry disagrees with the block records",
@@ -136,6 +138,10 @@ def check_store(store: Store, read_data: bool = False, subset: tuple[int, int] |
                 fmt = formats.get(record.format_id)
                 if parent is None:
                     report.add("parent_missing", key.hex(), f"parent {record.parent.hex()} is not stored")
+                elif parent.namespace != record.namespace or parent.format_id != record.format_id:
+                    report.add("parent_foreign", key.hex(),
+                               f"parent {record.parent.hex()} is of namespace {parent.namespace!r} "
+                               f"and format {parent.format_id.hex()[:12]}, not the block's own")
                 elif fmt is not None and len(parent.tokens) != fmt.block_size_tokens:
                     report.add("parent_missing", key.hex(), "parent is a partial block")
 

@@ -21,7 +21,7 @@ and by writers every READER_CHECK_S seconds.
 
 Headroom. LMDB is copy-on-write: deleting a checkpoint or collecting garbage needs new
 pages too, so on a full disk nothing could be freed. The store therefore keeps
-reserve_nbytes of the filesystem free for writes that free space (freeing=True:
+reserve_nbytes of the filesystem, and of the map limit, free for writes that free space (freeing=True:
 checkpoint deletes, eviction, GC, quarantine): any other write is refused with
 StoreFull, before it starts, when it would leave less than that, counting the pages
 already free inside data.mdb (LMDB reuses them before it grows the file). A commit that
@@ -272,7 +272,7 @@ class LmdbEnv:
                     grow = True
                 except lmdb.DiskError as exc:
                     raise StoreFull(
-                        f"{what} failed: the disk under {self.path} is full ({exc}); nothing was "
+                        f"{what} failed: the store's disk is full ({exc}); nothing was "
                         "committed. Free space, or run `kvstore gc` / `kvstore evict`"
                     ) from None
                 except lmdb.ReadersFullError:
@@ -313,17 +313,35 @@ class LmdbEnv:
         return max(0, file_nbytes - used * psize)
 
     def _check_headroom(self, what: str, need_nbytes: int) -> None:
+        # Messages name no path: they reach HTTP clients (a 507), and the server's
+        # directory layout is none of theirs.
         if self.reserve_nbytes <= 0:
             return
+        self._check_map_headroom(what, need_nbytes)
         available = self._fs_available()
         if available - need_nbytes >= self.reserve_nbytes:
             return  # the fast path: one statvfs
         if available + self.free_in_file_nbytes() - need_nbytes >= self.reserve_nbytes:
             return
         raise StoreFull(
-            f"{what} refused: the filesystem under {self.path} has {available} bytes free and the "
+            f"{what} refused: the store's filesystem has {available} bytes free and the "
             f"store keeps {self.reserve_nbytes} for deletes and GC; nothing was written. Run "
             "`kvstore gc` / `kvstore evict` or delete checkpoints, or free space")
+
+    def _check_map_headroom(self, what: str, need_nbytes: int) -> None:
+        """The same reserve inside the map limit: at max_map_nbytes a write that frees
+        space still needs fresh pages (LMDB copies on write), so other writes stop
+        while reserve_nbytes of the limit is unused."""
+        room = self.max_map_nbytes - self.used_nbytes() - need_nbytes
+        if room >= self.reserve_nbytes:
+            return  # the fast path: the file's high-water mark is far from the limit
+        if room + self.free_in_file_nbytes() >= self.reserve_nbytes:
+            return
+        raise StoreFull(
+            f"{what} refused: the store is within {self.reserve_nbytes} bytes (kept for deletes, "
+            f"eviction and GC) of its map limit of {self.max_map_nbytes} bytes; nothing was "
+            "written. Delete checkpoints, run `kvstore evict` and `kvstore gc`, or raise "
+            "max_map_nbytes")
 
     def _adopt_grown_map(self):
         with self._lock.exclusive():

@@ -67,6 +67,7 @@ U64 = struct.Struct(">Q")
 SIZES = struct.Struct(">QQ")
 PUT_BATCH_NBYTES = 64 << 20  # LMDB caps dirty pages per transaction; batch page writes
 TOUCH_FLUSH_S = 10.0
+EVICT_BATCH_BLOCKS = 1024  # blocks per eviction transaction at most (see Store.evict)
 _BLAKE3_THREADS_FROM = 1 << 20
 COUNTERS = ("raw_nbytes", "stored_nbytes", "referenced_raw_nbytes",
             "evicted_blocks", "evicted_nbytes")
@@ -443,7 +444,9 @@ class Store:
                     if parent is None:
                         raw = txn.get(b.parent, db=dbs["blocks"])
                         parent = BlockRecord.decode(raw) if raw is not None else None
-                    if parent is None:
+                    if parent is None or parent.namespace != b.namespace:
+                        # another namespace's block reads exactly as an absent one: the
+                        # answer must not tell a tenant what another tenant stored
                         raise MissingReferences(f"block {b.key.short}", [f"parent block {b.parent.hex()}"])
                     if len(parent.tokens) != fmt.block_size_tokens or parent.format_id != b.format_id:
                         raise InvalidInput(f"block {b.key.short}'s parent is a partial block or of "
@@ -641,10 +644,27 @@ class Store:
         if to_nbytes < 0:
             raise InvalidInput("eviction target must be >= 0 bytes")
 
-        def run(txn, dbs):
+        def run(txn, dbs, max_blocks):
             self._apply_touches(txn, dbs)
-            return _evict_to(txn, dbs, to_nbytes)
-        return self._lmdb.write(run, what="evicting blocks", buffers=True, freeing=True)
+            return _evict_to(txn, dbs, to_nbytes, max_blocks=max_blocks)
+
+        # In bounded transactions, as GC deletes. On a full disk (or a map at its limit)
+        # a transaction's copied pages must fit in the pages earlier ones freed, so a
+        # batch refused as StoreFull is retried at half the size, down to one block.
+        blocks = pages = freed = 0
+        batch = EVICT_BATCH_BLOCKS
+        while True:
+            try:
+                report = self._lmdb.write(lambda txn, dbs: run(txn, dbs, batch),
+                                          what="evicting blocks", buffers=True, freeing=True)
+            except StoreFull:
+                if batch == 1:
+                    raise
+                batch //= 2
+                continue
+            blocks, pages, freed = blocks + report.blocks, pages + report.pages, freed + report.freed_nbytes
+            if report.blocks < batch:
+                return EvictionReport(blocks, pages, freed)
 
     def stats(self) -> StoreStats:
         dbs = self._lmdb.dbs
@@ -856,7 +876,7 @@ def _remove_block(txn, dbs, record: BlockRecord) -> tuple[int, int]:
     return pages, freed
 
 
-def _evict_to(txn, dbs, target_nbytes: int) -> EvictionReport:
+def _evict_to(txn, dbs, target_nbytes: int, max_blocks: int | None = None) -> EvictionReport:
     stored = _get_u64(txn, dbs["meta"], b"stored_nbytes")
     if stored <= target_nbytes:
         return EvictionReport(0, 0, 0)
@@ -868,7 +888,7 @@ def _evict_to(txn, dbs, target_nbytes: int) -> EvictionReport:
                 heap.append((stamp, chain))
     heapq.heapify(heap)
     blocks = pages = freed = 0
-    while heap and stored > target_nbytes:
+    while heap and stored > target_nbytes and (max_blocks is None or blocks < max_blocks):
         _, chain = heapq.heappop(heap)
         record = BlockRecord.decode(txn.get(chain, db=dbs["blocks"]))
         p, f = _remove_block(txn, dbs, record)
@@ -898,8 +918,11 @@ def _validate_checkpoint(txn, dbs, c: Checkpoint, identity: FormatIdentity) -> N
             missing.append(f"block {k.hex()}")
             continue
         record = BlockRecord.decode(raw)
-        if record.format_id != c.format_id or record.namespace != c.namespace:
-            raise InvalidInput(f"block {k.short} belongs to another format or namespace")
+        if record.namespace != c.namespace:  # reads as absent: no cross-tenant oracle
+            missing.append(f"block {k.hex()}")
+            continue
+        if record.format_id != c.format_id:
+            raise InvalidInput(f"block {k.short} belongs to another format")
         if record.parent != parent:
             raise InvalidInput(f"block {k.short} does not follow the previous block in the chain")
         parent = k
