@@ -42,7 +42,7 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, fields
 from typing import Iterable, Iterator, Mapping, Sequence
 from urllib.parse import quote
@@ -51,7 +51,7 @@ import httpx
 import zstandard
 
 from kvstore.check import CheckReport, Problem
-from kvstore.errors import InvalidInput, KVStoreError, StoreIOError
+from kvstore.errors import IntegrityError, InvalidInput, KVStoreError, NotFound, StoreIOError
 from kvstore.format import FormatIdentity
 from kvstore.ids import ChainKey, PageDigest
 from kvstore.records import BlockRecord, Checkpoint
@@ -277,12 +277,30 @@ class RemoteStore:
         """Yields one read-only buffer per digest. Over HTTP they are received copies;
         with local_dir they are the store's zero-copy views."""
         if self._local is not None:
-            with self._local.get_pages(digests) as views:
+            with ExitStack() as stack:
+                with self._local_reads():
+                    views = stack.enter_context(self._local.get_pages(digests))
                 yield views
             return
         buffers = [bytearray(n) for n in self.page_nbytes(digests)]
         self.read_pages_into(digests, buffers)
         yield [memoryview(b).toreadonly() for b in buffers]
+
+    @contextmanager
+    def _local_reads(self):
+        """A read through local_dir that finds a damaged page cannot quarantine it (the
+        map is open read-only), so the server is asked for that page: its own read
+        finds the damage and quarantines it, and the next lookup stops before it, as on
+        the server. The caller gets the local IntegrityError either way."""
+        try:
+            yield
+        except IntegrityError as exc:
+            try:
+                digest = PageDigest.parse(exc.digest)
+                self._read_batch([digest], [bytearray(self._local.page_nbytes([digest])[0])])
+            except (KVStoreError, httpx.HTTPError, OSError):
+                pass  # the server found it too (or cannot be reached): the local error stands
+            raise
 
     def read_pages(self, digests: Sequence) -> list[bytes]:
         with self.get_pages(digests) as views:
@@ -293,7 +311,8 @@ class RemoteStore:
         if len(buffers) != len(digests):
             raise InvalidInput(f"{len(digests)} digests but {len(buffers)} buffers")
         if self._local is not None:
-            return self._local.read_pages_into(digests, buffers)
+            with self._local_reads():
+                return self._local.read_pages_into(digests, buffers)
         digests = [PageDigest.coerce(d) for d in digests]
         sizes = [memoryview(b).nbytes for b in buffers]
         batch_nbytes = READ_BATCH_NBYTES
@@ -367,7 +386,25 @@ class RemoteStore:
         body = self._get("/v1/blocks", params=params)
         return [block_from_json(b) for b in body["blocks"]]
 
+    def find_blocks(self, keys: Sequence) -> list[BlockRecord | None]:
+        """The record of each key, or None where absent (record presence only). One
+        request when all are present; else one per key (the service's /v1/blocks/get
+        refuses a batch with an absent key)."""
+        keys = [ChainKey.coerce(k) for k in keys]
+        try:
+            return list(self.get_blocks(keys)) if keys else []
+        except NotFound:
+            out: list[BlockRecord | None] = []
+            for k in keys:
+                try:
+                    out.append(self.get_blocks([k])[0])
+                except NotFound:
+                    out.append(None)
+            return out
+
     def has_blocks(self, keys: Sequence) -> list[bool]:
+        """As Store.has_blocks: True only for a block whose record and every page are
+        stored (the server answers)."""
         wanted = [ChainKey.coerce(k).hex() for k in keys]
         return self._post("/v1/blocks/has", {"keys": wanted}, idempotent=True)["present"]
 
