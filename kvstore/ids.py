@@ -12,6 +12,11 @@ ChainKey = blake3(
 )
 No per-process seed: the same tokens under the same format and namespace give the same
 key in every process, after every restart, on every machine. docs/format.md has vectors.
+
+Salted (optional, per namespace): the same message hashed by blake3 in keyed mode, the
+key being the namespace's 32-byte secret salt. Still deterministic for whoever holds
+the salt; without it no one can compute a key for a guessed prompt. salt=None is the
+unsalted key above, byte for byte.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 _NAMESPACE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,63}")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-:@+]{0,127}")
 MAX_TOKEN_ID = 2**32 - 1
+CHAIN_SALT_NBYTES = 32  # blake3's key length
 
 
 class Digest(bytes):
@@ -135,13 +141,26 @@ def tokens_from_bytes(data: bytes) -> list[int]:
     return np.frombuffer(data, dtype="<u4").tolist()
 
 
-def chain_key(format_id: bytes, namespace: str, parent: bytes, tokens: Sequence[int]) -> ChainKey:
-    """The deterministic key of one block (see the module docstring)."""
+def check_chain_salt(salt) -> bytes | None:
+    """A namespace's salt: None (unsalted) or exactly CHAIN_SALT_NBYTES bytes."""
+    if salt is None:
+        return None
+    if not isinstance(salt, (bytes, bytearray, memoryview)) or len(salt) != CHAIN_SALT_NBYTES:
+        raise InvalidInput(f"a chain salt is {CHAIN_SALT_NBYTES} bytes (64 hex characters); "
+                           "generate one with `python -c 'import secrets; print(secrets.token_hex(32))'`")
+    return bytes(salt)
+
+
+def chain_key(format_id: bytes, namespace: str, parent: bytes, tokens: Sequence[int],
+              salt: bytes | None = None) -> ChainKey:
+    """The deterministic key of one block (see the module docstring); keyed by the
+    namespace's secret salt when one is given."""
     if len(format_id) != DIGEST_NBYTES or len(parent) != DIGEST_NBYTES:
         raise InvalidInput("format id and parent key must be 32 bytes each")
     ns = check_namespace(namespace).encode()
     token_bytes = tokens_to_bytes(tokens)
-    hasher = blake3.blake3(CHAIN_DOMAIN_TAG)
+    salt = check_chain_salt(salt)
+    hasher = blake3.blake3(CHAIN_DOMAIN_TAG) if salt is None else blake3.blake3(CHAIN_DOMAIN_TAG, key=salt)
     hasher.update(bytes(format_id))
     hasher.update(struct.pack("<H", len(ns)))
     hasher.update(ns)
@@ -153,12 +172,13 @@ def chain_key(format_id: bytes, namespace: str, parent: bytes, tokens: Sequence[
 
 def chain_keys(
     format_id: bytes, namespace: str, tokens: Sequence[int], block_size_tokens: int,
-    parent: bytes = ROOT_KEY,
+    parent: bytes = ROOT_KEY, salt: bytes | None = None,
 ) -> list[ChainKey]:
     """Keys of every full block of `tokens`, in order (a partial tail gets none)."""
     keys = []
     for start in range(0, len(tokens) - block_size_tokens + 1, block_size_tokens):
-        parent = chain_key(format_id, namespace, parent, tokens[start : start + block_size_tokens])
+        parent = chain_key(format_id, namespace, parent, tokens[start : start + block_size_tokens],
+                           salt=salt)
         keys.append(parent)
     return keys
 
