@@ -6,6 +6,7 @@ process cannot open an LMDB environment twice."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from kvstore.client import RemoteStore
@@ -60,5 +61,9 @@ def test_remote_reads_of_a_damaged_page_fail_once_and_a_republish_heals(tmp_path
             stats = remote.stats()
             assert stats.quarantined_count == 0
             assert remote.check(read_data=True).problems == []
+        # the two lookups cut short by the damage, counted by the server (replayed
+        # there from local_dir; close() waited for the replays)
+        metrics = httpx.get(server.url + "/metrics").text
+        assert "kvstore_store_lookups_stopped_at_damage 2\n" in metrics
     finally:
         server.stop()
