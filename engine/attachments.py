@@ -26,6 +26,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
+from engine.cache import PagedKVCache
 from engine.errors import FormatMismatch
 
 MAGIC = b"KVA1"
@@ -40,6 +41,20 @@ _DTYPES = {
     "uint8": (mx.uint8, np.uint8), "int8": (mx.int8, np.int8), "bool": (mx.bool_, np.bool_),
 }
 _DTYPE_NAMES = {mx_dtype: name for name, (mx_dtype, _) in _DTYPES.items()}
+
+
+# Caches whose `offset` is the number of tokens the layer has seen (a RotatingKVCache
+# keeps at most its window of them, but counts all). Recurrent state (ArraysCache) and
+# CacheList have no token count.
+_COUNTED = (KVCache, RotatingKVCache, QuantizedKVCache, ChunkedKVCache)
+
+
+def token_offset(cache) -> int | None:
+    """The tokens a layer cache has seen (its mlx-lm `offset`), or None for a cache that
+    keeps no count. The engine's PagedKVCache is a KVCache for this purpose."""
+    if isinstance(cache, (PagedKVCache, *_COUNTED)):
+        return int(cache.offset)
+    return None
 
 
 def _host(x: mx.array) -> np.ndarray:

@@ -6,6 +6,9 @@
     │   ├── InvalidPolicy             a KV policy (dict or TOML) that does not parse
     │   ├── UnsupportedModel          a model type or geometry the engine has no rules for
     │   ├── UnsupportedBatch          a paged cache was given a batch other than 1
+    │   ├── OffsetMismatch            caches whose layers do not sit where a publish
+    │   │                             needs them (a checkpoint after generation, layers
+    │   │                             at different offsets); carries the offsets
     │   └── FormatMismatch            keys, values or page bytes that do not fit the
     │       │                         cache's page format (dtype, heads, head dim, length)
     │       └── UnpagedFormat         a page format the paged engine (pools, PagedKVCache,
@@ -58,6 +61,20 @@ class FormatMismatch(InvalidRequest):
 
 class UnpagedFormat(FormatMismatch):
     code = "unpaged_format"
+
+
+class OffsetMismatch(InvalidRequest):
+    """The caches' layers hold other token counts than a checkpoint of `tokens` needs.
+
+    `offsets` is one entry per layer (None where a layer has no token count), `tokens`
+    the number that was asked to be published."""
+
+    code = "offset_mismatch"
+
+    def __init__(self, message: str, *, offsets: list, tokens: int):
+        super().__init__(message)
+        self.offsets = offsets
+        self.tokens = tokens
 
 
 class PoolExhausted(EngineError):

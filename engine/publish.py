@@ -34,9 +34,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from engine.attachments import encode_attachment
+from engine.attachments import encode_attachment, token_offset
 from engine.cache import PagedKVCache
-from engine.errors import FormatMismatch, InvalidRequest
+from engine.errors import FormatMismatch, InvalidRequest, OffsetMismatch
 from engine.formats import PageSpec, page_specs
 from kvstore.errors import MissingReferences
 from kvstore.format import FormatIdentity
@@ -155,13 +155,19 @@ def capture(identity: FormatIdentity, tokens: Sequence[int], caches: Sequence,
             *, attachments: bool = False) -> Capture:
     """Copy what publishing `tokens` needs out of `caches` (one per model layer).
 
-    The paged layers must hold at least len(tokens) tokens; only that many are taken.
-    With attachments=True, every non-paged layer's complete state is encoded too
-    (needed for a checkpoint; such state is only valid at exactly its own length).
+    Without attachments, the paged layers must hold at least len(tokens) tokens and only
+    that many are taken: the first n tokens of a full-attention layer are the K/V of the
+    first n tokens whatever followed (this is how generate_with_store publishes a
+    prompt after generating from it). With attachments=True (a checkpoint) every layer
+    must sit at exactly len(tokens): a sliding ring or recurrent state is only valid at
+    its own length, so a checkpoint after generation is refused (OffsetMismatch) rather
+    than stored with layers at different offsets; publish the tokens the cache holds
+    (the prompt and the generated tokens fed back) instead.
     """
     if len(caches) != len(identity.layers):
         raise InvalidRequest(f"{len(caches)} caches for a format of {len(identity.layers)} layers")
     tokens = tuple(int(t) for t in tokens)
+    _check_offsets(caches, len(tokens), exact=attachments)
     specs = page_specs(identity)
     layers, extra = [], {}
     for index, (cache, spec) in enumerate(zip(caches, specs)):
@@ -169,10 +175,6 @@ def capture(identity: FormatIdentity, tokens: Sequence[int], caches: Sequence,
             if attachments:
                 extra[f"layer.{index}"] = encode_attachment(cache)
             continue
-        held = cache.offset if not isinstance(cache, PagedKVCache) else cache.size()
-        if held < len(tokens):
-            raise InvalidRequest(f"layer {index} holds {held} tokens, fewer than the {len(tokens)} "
-                                 "to publish")
         if isinstance(cache, PagedKVCache):
             layers.append(_capture_paged(cache, spec, len(tokens)))
         elif isinstance(cache, (KVCache, QuantizedKVCache)):
@@ -181,6 +183,28 @@ def capture(identity: FormatIdentity, tokens: Sequence[int], caches: Sequence,
             raise FormatMismatch(f"layer {index} is a full-attention layer with a "
                                  f"{type(cache).__name__}, which has no pages")
     return Capture(identity, tokens, layers, extra)
+
+
+def _check_offsets(caches: Sequence, num_tokens: int, *, exact: bool) -> None:
+    """OffsetMismatch unless every counted layer sits at one offset: exactly num_tokens
+    for a checkpoint, at least num_tokens for a prefix of full-attention layers."""
+    offsets = [token_offset(c) for c in caches]
+    counted = {o for o in offsets if o is not None}
+    if len(counted) > 1:
+        raise OffsetMismatch(f"the cache's layers sit at different offsets {offsets}; a "
+                             "publication needs one sequence position for every layer",
+                             offsets=offsets, tokens=num_tokens)
+    held = counted.pop() if counted else num_tokens
+    if exact and held != num_tokens:
+        raise OffsetMismatch(
+            f"a checkpoint of {num_tokens} tokens needs every layer at offset {num_tokens}, "
+            f"the cache's layers sit at {held} (sliding and recurrent state is only valid "
+            f"at its own length): publish the {held} tokens the cache holds (the prompt "
+            "and the generated tokens fed back), or checkpoint before generating",
+            offsets=offsets, tokens=num_tokens)
+    if held < num_tokens:
+        raise OffsetMismatch(f"the cache's layers hold {held} tokens, fewer than the "
+                             f"{num_tokens} to publish", offsets=offsets, tokens=num_tokens)
 
 
 def upload(store, cap: Capture, *, namespace: str = DEFAULT_NAMESPACE,

@@ -49,9 +49,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from engine.admission import AdmissionRequest
-from engine.attachments import decode_attachment
+from engine.attachments import decode_attachment, token_offset
 from engine.cache import PagedKVCache
-from engine.errors import FormatMismatch, InvalidRequest, PoolExhausted
+from engine.errors import FormatMismatch, InvalidRequest, OffsetMismatch, PoolExhausted
 from engine.formats import PAGED_FORMATS, PageSpec, blocks_from_pages, page_specs
 from engine.models import default_attention_impl, make_cache, make_pools, model_identity
 from engine.policy import KVPolicy
@@ -279,7 +279,19 @@ def restore(model, tokens: Sequence[int], store, *, model_id: str,
         grant.bind(result.cache)
         grant.staging_done()  # _build evaluated every page into the pools
         result.decision, result.grant = decision, grant
+    _assert_one_offset(result)
     return result
+
+
+def _assert_one_offset(result: Restored) -> None:
+    """A restored cache continues one sequence: every layer that counts tokens sits at
+    exactly tokens_restored. Anything else is a broken invariant (a checkpoint whose
+    layers were captured at different offsets would continue differently from
+    recompute), so it fails loudly instead of being served."""
+    offsets = [token_offset(c) for c in result.cache]
+    assert all(o is None or o == result.tokens_restored for o in offsets), (
+        f"restore of {result.tokens_restored} tokens ({result.source} "
+        f"{result.checkpoint or ''}) left the layers at offsets {offsets}")
 
 
 def _history(spec: PageSpec, pages: list) -> tuple[dict[str, mx.array], int]:
@@ -370,6 +382,14 @@ def _build(model, policy, model_id, identity, pools, blocks: list[BlockRecord], 
         for name, view in zip(attachment_names, views[len(digests):]):
             index = int(name.split(".", 1)[1])
             caches[index] = decode_attachment(view)
+            held = token_offset(caches[index])
+            if held is not None and held != len(ckpt.tokens):
+                # Written before capture refused checkpoints taken after generation.
+                raise OffsetMismatch(
+                    f"checkpoint {ckpt.namespace}/{ckpt.name} holds {len(ckpt.tokens)} tokens "
+                    f"but its layer {index} state sits at offset {held}: it was captured after "
+                    "generation and cannot continue its tokens; delete it and publish again",
+                    offsets=[held], tokens=len(ckpt.tokens))
         mx.eval([c.state for c in caches])
     restored = sum(len(b.tokens) for b in blocks)
     return Restored(caches, restored, len(blocks), nbytes,
