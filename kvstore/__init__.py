@@ -22,11 +22,11 @@ Nouns:
 """
 
 from kvstore.errors import (  # noqa: F401
-    CorruptStore,
     IncompatibleFormat,
     IntegrityError,
     InvalidInput,
     KVStoreError,
     NotFound,
+    StoreCorrupt,
     StoreFull,
 )

@@ -9,6 +9,9 @@
     ├── IncompatibleFormat            format identities differ; .diff names every field
     │   └── UnsupportedVersion        a schema version newer than this code knows
     ├── IntegrityError                stored bytes do not match their digest (page quarantined)
+    ├── StoreCorrupt                  the LMDB environment is not a whole store (a declared
+    │                                 sub-database or the meta record is missing, or LMDB
+    │                                 refuses the file); refused at open, nothing written
     ├── StoreFull                     the disk or the configured map limit is full;
     │                                 nothing of the failed write was committed
     ├── GCAborted                     a GC paused past its grace period, or another GC runs
@@ -96,6 +99,13 @@ class IntegrityError(KVStoreError):
         self.digest = digest
 
 
+class StoreCorrupt(KVStoreError):
+    """The store directory's LMDB environment is damaged: it is refused at open, before
+    anything is written, and never re-initialised. docs/reliability.md says what next."""
+
+    code = "store_corrupt"
+
+
 class StoreFull(KVStoreError):
     code = "store_full"
 
@@ -106,7 +116,3 @@ class GCAborted(KVStoreError):
 
 class StoreIOError(KVStoreError, OSError):
     code = "io_error"
-
-
-# Kept as an alias for readers of older notes: the check report uses typed problems.
-CorruptStore = IntegrityError

@@ -3,6 +3,12 @@
 Named sub-databases are declared here and nowhere else (DATABASES). Keys are fixed
 width where they can be (32-byte digests, big-endian integers) and always < 511 bytes.
 
+Opening never re-initialises. Only an environment in which nothing was ever committed
+gets its databases, created in one transaction with the store's meta record. An
+existing environment that lacks a declared database (other than ADDED_LATER ones), or
+has them all but no meta record, is refused with StoreCorrupt before anything is
+written (see LmdbEnv._open_or_create and docs/reliability.md).
+
 Every write goes through LmdbEnv.write(fn): fn(txn, dbs) runs in one write
 transaction; MapFullError aborts it, the map grows (doubling, up to max_map_nbytes)
 and fn runs again from scratch, so fn must not keep state between attempts.
@@ -41,7 +47,7 @@ from typing import Callable, TypeVar
 import lmdb
 
 from kvstore import faults, fileio
-from kvstore.errors import StoreFull, StoreIOError
+from kvstore.errors import NotFound, StoreCorrupt, StoreFull, StoreIOError
 
 T = TypeVar("T")
 
@@ -61,6 +67,11 @@ DATABASES = {
     "pins": "chain key (32) -> u64be count of checkpoints naming the block",
     "checkpoints": "namespace || 0x00 || name -> checkpoint manifest JSON",
 }
+
+# Databases declared after stores existed without them: an existing store that has its
+# meta record may gain them (read-write). Every other missing database is damage.
+ADDED_LATER = frozenset({"page_sizes"})
+META_RECORD = b"schema_version"  # written with the databases; its absence is damage
 
 DEFAULT_MAP_NBYTES = 1 << 30
 DEFAULT_MAX_MAP_NBYTES = 1 << 40
@@ -112,8 +123,12 @@ class LmdbEnv:
 
     def __init__(self, path: Path, map_nbytes: int = DEFAULT_MAP_NBYTES,
                  max_map_nbytes: int = DEFAULT_MAX_MAP_NBYTES, readonly: bool = False,
-                 reserve_nbytes: int = DEFAULT_RESERVE_NBYTES):
+                 reserve_nbytes: int = DEFAULT_RESERVE_NBYTES,
+                 init: Callable[[object, dict], None] | None = None):
+        """init(txn, dbs) writes the meta record of a new store, in the transaction that
+        creates its databases (it must write META_RECORD)."""
         self.path = Path(path)
+        self._init = init
         self.reserve_nbytes = reserve_nbytes
         self._reader_checked = time.monotonic()
         self.initial_map_nbytes = map_nbytes
@@ -141,8 +156,12 @@ class LmdbEnv:
                     raise StoreIOError(f"{self.path / name} is a symlink; refusing to open the "
                                        "store through it. Replace it with the real file")
             env = self._open_env()
-            env.reader_check()
-            dbs = self._open_databases(env)
+            try:
+                env.reader_check()
+                dbs = self._open_databases(env)
+            except BaseException:
+                env.close()  # refused (StoreCorrupt, StoreFull): nothing stays open
+                raise
             self._env, self._dbs, self._pid = env, dbs, os.getpid()
 
     def _open_env(self):
@@ -159,24 +178,22 @@ class LmdbEnv:
                 )
             except lmdb.MapResizedError:
                 continue
+            except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError,
+                    lmdb.VersionMismatchError) as exc:
+                raise StoreCorrupt(f"store at {self.path} is damaged: LMDB refuses its data file "
+                                   f"({exc}); nothing was written. See docs/reliability.md "
+                                   "('A store refused as damaged')") from None
         raise StoreIOError(f"could not open {self.path}: other processes kept growing the map "
                            "while it opened; retry")
 
     def _open_databases(self, env) -> dict:
-        """Open (or create) every named database. Another process may have grown the map
-        since lmdb.open (MapResizedError: adopt its size), and creating the databases in
-        a tiny map may need it grown (MapFullError): both retry, as write() does."""
+        """Open every named database; create them only in a new environment (see
+        classify below). Another process may have grown the map since lmdb.open
+        (MapResizedError: adopt its size), and creating the databases in a tiny map may
+        need it grown (MapFullError): both retry, as write() does."""
         for _ in range(16):
             try:
-                if self.readonly:
-                    # No txn argument: py-lmdb then opens each handle in a read txn it
-                    # really commits. A handle opened in a caller's read-only txn is
-                    # dropped when py-lmdb recycles that txn on exit (it resets, not
-                    # commits, read txns), and every later get() fails with EINVAL.
-                    return {name: env.open_db(name.encode(), create=False) for name in DATABASES}
-                with env.begin(write=not self.readonly) as txn:
-                    return {name: env.open_db(name.encode(), txn=txn, create=not self.readonly)
-                            for name in DATABASES}
+                return self._open_or_create(env)
             except lmdb.MapResizedError:
                 env.set_mapsize(0)
             except lmdb.MapFullError:
@@ -186,6 +203,74 @@ class LmdbEnv:
                                     f"{self.max_map_nbytes} bytes") from None
                 env.set_mapsize(min(max(current * 2, 1 << 20), self.max_map_nbytes))
         raise StoreIOError(f"could not open the databases of {self.path}: the map kept changing")
+
+    def _open_or_create(self, env) -> dict:
+        """An environment is one of three things, decided before anything is written:
+          new       nothing was ever committed (LMDB's last txn id is 0) and its main
+                    database is empty: the databases and the meta record are created
+                    in one transaction (read-write only);
+          a store   every declared database is listed in the main database and `meta`
+                    holds the schema_version record;
+          damaged   anything else: StoreCorrupt names what is missing, and nothing is
+                    written. Databases are never created in an existing environment
+                    (a flipped bit in the main database's root would otherwise make a
+                    full store look like a new one and be re-initialised over it),
+                    except the ones ADDED_LATER, in a store that has its meta record."""
+        names = self._listed_databases(env)
+        declared = set(DATABASES)
+        if not names and env.info()["last_txnid"] == 0:
+            if self.readonly:
+                raise NotFound(f"no store at {self.path}: its LMDB environment is empty (a "
+                               "read-write open creates the store)")
+            with env.begin(write=True) as txn:
+                if txn.id() == 1 and not self._listed_databases(env, txn):
+                    dbs = {name: env.open_db(name.encode(), txn=txn, create=True)
+                           for name in DATABASES}
+                    if self._init is not None:
+                        self._init(txn, dbs)
+                    return dbs
+            return self._open_or_create(env)  # another process created it first
+        missing = sorted(declared - names)
+        if missing and (self.readonly or not set(missing) <= ADDED_LATER or "meta" in missing):
+            raise StoreCorrupt(
+                f"store at {self.path} is damaged: LMDB's main database does not list the "
+                f"sub-database(s) {', '.join(missing)}; nothing was written. See "
+                "docs/reliability.md ('A store refused as damaged')"
+                + (" (a store older than the page_sizes database: open it read-write once "
+                   "to add it)" if set(missing) <= ADDED_LATER else ""))
+        if self.readonly:
+            # No txn argument: py-lmdb then opens each handle in a read txn it really
+            # commits. A handle opened in a caller's read-only txn is dropped when
+            # py-lmdb recycles that txn on exit (it resets, not commits, read txns), and
+            # every later get() fails with EINVAL.
+            dbs = {name: env.open_db(name.encode(), create=False) for name in DATABASES}
+        else:
+            with env.begin(write=True) as txn:  # commits nothing unless ADDED_LATER are made
+                dbs = {name: env.open_db(name.encode(), txn=txn, create=name in missing)
+                       for name in DATABASES}
+        with env.begin() as txn:
+            if txn.get(META_RECORD, db=dbs["meta"]) is None:
+                raise StoreCorrupt(
+                    f"store at {self.path} is damaged: its sub-databases are listed but the "
+                    f"meta record ({META_RECORD.decode()}) is missing, so LMDB's main database "
+                    "points at an old or foreign root; nothing was written. See "
+                    "docs/reliability.md ('A store refused as damaged')")
+        return dbs
+
+    def _listed_databases(self, env, txn=None) -> set[str]:
+        """The names LMDB's main database lists (named databases are its keys). A main
+        database that cannot be read is damage, not an empty store."""
+        try:
+            if txn is not None:
+                return {bytes(k).decode("utf-8", "replace") for k in txn.cursor().iternext(values=False)}
+            with env.begin() as own:
+                return {bytes(k).decode("utf-8", "replace") for k in own.cursor().iternext(values=False)}
+        except (lmdb.MapResizedError, lmdb.MapFullError, lmdb.ReadersFullError):
+            raise
+        except lmdb.Error as exc:
+            raise StoreCorrupt(f"store at {self.path} is damaged: LMDB's main database cannot be "
+                               f"read ({exc}); nothing was written. See docs/reliability.md "
+                               "('A store refused as damaged')") from None
 
     def close(self):
         with self._open_lock:

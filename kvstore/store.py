@@ -49,6 +49,7 @@ from kvstore.lmdbenv import (
     DEFAULT_MAP_NBYTES,
     DEFAULT_MAX_MAP_NBYTES,
     DEFAULT_RESERVE_NBYTES,
+    META_RECORD,
     LmdbEnv,
 )
 from kvstore.pages import (
@@ -212,15 +213,14 @@ class Store:
         self.path = Path(path)
         self.config = config or StoreConfig()
         self._lmdb = LmdbEnv(self.path, self.config.map_nbytes, self.config.max_map_nbytes,
-                             readonly=readonly, reserve_nbytes=self.config.reserve_nbytes)
+                             readonly=readonly, reserve_nbytes=self.config.reserve_nbytes,
+                             init=_init_meta)
         self._formats: dict[bytes, FormatIdentity] = {}
         self._touch_lock = threading.Lock()
         self._pending_touches: dict[bytes, int] = {}
         self._touches_since = 0.0
         # lookups, hits, tokens asked, tokens matched, lookups stopped at a damaged block
         self._lookups = [0, 0, 0, 0, 0]
-        if not readonly:
-            self._init_meta()
         self._check_schema()
 
     @property
@@ -243,15 +243,9 @@ class Store:
     def __exit__(self, *exc):
         self.close()
 
-    def _init_meta(self):
-        def init(txn, dbs):
-            if txn.get(b"schema_version", db=dbs["meta"]) is None:
-                txn.put(b"schema_version", U64.pack(STORE_SCHEMA_VERSION), db=dbs["meta"])
-        self._lmdb.write(init, what="initialising the store", freeing=True)  # opens a full store
-
     def _check_schema(self):
         with self._lmdb.read() as txn:
-            version = _get_u64(txn, self._lmdb.dbs["meta"], b"schema_version")
+            version = _get_u64(txn, self._lmdb.dbs["meta"], META_RECORD)
         if version > STORE_SCHEMA_VERSION:
             raise UnsupportedVersion(
                 f"store at {self.path} has schema version {version}; this code reads up to "
@@ -744,6 +738,12 @@ class Store:
 
 
 # -- record maintenance inside one write transaction -----------------------------------
+def _init_meta(txn, dbs) -> None:
+    """The meta record of a new store, written with its databases (kvstore/lmdbenv.py:
+    an environment without it is refused as damaged, never initialised again)."""
+    txn.put(META_RECORD, U64.pack(STORE_SCHEMA_VERSION), db=dbs["meta"])
+
+
 def _format_id_bytes(format_id) -> bytes:
     if isinstance(format_id, FormatIdentity):
         return format_id.format_id

@@ -19,7 +19,7 @@ from typing import Annotated, Optional
 import typer
 
 from tools.commands import register as register_operator_commands
-from tools.commands.common import EXIT_USAGE, fail
+from tools.commands.common import EXIT_USAGE, fail, store_errors
 
 app = typer.Typer(name="kvstore", help="Operate an mlx-kvstore page store.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -61,10 +61,23 @@ def serve(
                                  tokens_file=tokens_file, log_level=log_level)
     except (ValueError, OSError) as exc:
         fail(f"bad settings: {exc}", EXIT_USAGE)
+    _refuse_a_damaged_store(Path(settings.data_dir))
     try:
         run_server(settings)
     except UnsafeBind as exc:
         fail(str(exc), EXIT_USAGE)
+
+
+def _refuse_a_damaged_store(path: Path) -> None:
+    """The service opens its store inside uvicorn's lifespan, where a refusal would end
+    in a traceback: a damaged store (StoreCorrupt, exit 4) is refused here first, in one
+    line. The open writes nothing to a damaged store; a new directory is left to the
+    service."""
+    from kvstore.store import Store
+
+    if (path / "data.mdb").exists():
+        with store_errors():
+            Store(path).close()
 
 
 register_operator_commands(app)

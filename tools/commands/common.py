@@ -14,7 +14,8 @@ Exit codes (the same for every command; docs/operations.md lists them):
     2  usage error: a bad option, size, duration, name or digest
     3  not found: no such store, checkpoint, block, page or format
     4  incompatible or corrupt: a format identity that differs or is newer than this
-       code, a damaged page, a corrupt or foreign export file
+       code, a damaged page, a damaged store (StoreCorrupt), a corrupt or foreign
+       export file
     5  conflict: the checkpoint exists (pass --replace), or another GC is running
     6  access denied by the service (wrong token, or a user token on an admin route)
 
@@ -53,6 +54,7 @@ from kvstore.errors import (
     InvalidInput,
     KVStoreError,
     NotFound,
+    StoreCorrupt,
 )
 
 EXIT_OK = 0
@@ -151,7 +153,7 @@ def is_local(store) -> bool:
 
 # -- errors -> messages and exit codes ------------------------------------------------------
 def fail(message: str, code: int = EXIT_PROBLEMS) -> None:
-    stderr.print(f"[red]error:[/red] {escape(message)}")
+    stderr.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)  # one line, for logs
     raise typer.Exit(code)
 
 
@@ -166,7 +168,7 @@ def exit_code_for(exc: BaseException) -> int:
 
     if isinstance(exc, NotFound):
         return EXIT_NOT_FOUND
-    if isinstance(exc, (IncompatibleFormat, IntegrityError, ExportFileError)):
+    if isinstance(exc, (IncompatibleFormat, IntegrityError, StoreCorrupt, ExportFileError)):
         return EXIT_INCOMPATIBLE
     if isinstance(exc, (AlreadyExists, GCAborted)):
         return EXIT_CONFLICT

@@ -1,0 +1,216 @@
+"""A damaged LMDB environment is refused with StoreCorrupt, never re-initialised
+(issue 17, defect 4). Two ways one flipped bit used to empty a store silently:
+
+  name     a bit of a sub-database's name in the main database's root page: LMDB no
+           longer finds "pages", and a read-write open created a new empty one;
+  root     a bit of the main database's root page number in the current meta page:
+           LMDB reads an older main database whose sub-databases are empty, and a
+           read-write open wrote the meta record again over it.
+
+Either way, read-only and read-write opens now raise StoreCorrupt naming the store and
+what is missing, and the data file is byte-for-byte what it was. `kvstore check`
+prints one line and exits 4. tests/kvstore/testdata/ holds a tiny store broken the
+first way (see its README), opened here as an operator would meet it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from kvstore.errors import StoreCorrupt
+from kvstore.lmdbenv import LmdbEnv
+from kvstore.store import Store
+from tests.kvstore.factories import make_identity, make_store, restore_prefix, save_prefix
+from tests.tools.helpers import run
+from tools.commands.common import EXIT_INCOMPATIBLE, EXIT_OK
+
+TESTDATA = Path(__file__).parent / "testdata"
+IDENTITY = make_identity()
+TOKENS = list(range(40))
+PSIZE = 4096  # LMDB's page size on the machines we run on (checked in _meta)
+META = struct.Struct("<IHHQQQQQ")  # MDB_db: pad, flags, depth, branch, leaf, overflow, entries, root
+
+
+def _meta(blob: bytes) -> tuple[int, int]:
+    """(file offset of the current meta page's main-database MDB_db, its root page)."""
+    best = None
+    for page in (0, 1):
+        base = page * PSIZE + 16  # page header
+        magic, version = struct.unpack_from("<II", blob, base)
+        assert magic == 0xBEEFC0DE, "not an LMDB data file, or another page size"
+        dbs = base + 24  # magic, version, address, mapsize
+        txnid = struct.unpack_from("<Q", blob, dbs + 2 * META.size + 8)[0]
+        main = dbs + META.size  # [FREE_DBI, MAIN_DBI]
+        if best is None or txnid > best[0]:
+            best = (txnid, main, META.unpack_from(blob, main)[-1])
+    return best[1], best[2]
+
+
+def flip_sub_database_name(path: Path, name: bytes) -> None:
+    data = path / "data.mdb"
+    blob = bytearray(data.read_bytes())
+    _, root = _meta(blob)
+    at = blob.find(name, root * PSIZE, (root + 1) * PSIZE)
+    assert at >= 0, f"{name!r} is not in the main database's root page"
+    blob[at] ^= 0x01
+    data.write_bytes(bytes(blob))
+
+
+def flip_main_root(path: Path) -> None:
+    data = path / "data.mdb"
+    blob = bytearray(data.read_bytes())
+    main, _ = _meta(blob)
+    blob[main + META.size - 8] ^= 0x01  # the lowest bit of md_root
+    data.write_bytes(bytes(blob))
+
+
+def _saved_store(path: Path) -> None:
+    with make_store(path) as store:
+        save_prefix(store, IDENTITY, "default", TOKENS, checkpoint="c")
+
+
+def _files(path: Path) -> bytes:
+    return (path / "data.mdb").read_bytes()
+
+
+@pytest.mark.parametrize("damage", ["name", "root"])
+def test_a_flipped_bit_in_the_main_database_is_refused_and_nothing_is_written(tmp_path, damage):
+    path = tmp_path / "store"
+    _saved_store(path)
+    if damage == "name":
+        flip_sub_database_name(path, b"pages")
+    else:
+        flip_main_root(path)
+    before = _files(path)
+    for readonly in (True, False):
+        with pytest.raises(StoreCorrupt) as info:
+            Store(path, readonly=readonly)
+        message = str(info.value)
+        assert str(path) in message and "\n" not in message
+        # root: the page it now names lists none of the sub-databases, or an old main
+        # database whose meta record was not yet written; the message says which
+        assert ("pages" in message) if damage == "name" else ("meta" in message)
+        assert _files(path) == before, f"a {'read-only' if readonly else 'read-write'} open wrote"
+    code = run("check", "--data-dir", path)
+    assert code.code == EXIT_INCOMPATIBLE
+    lines = [line for line in code.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "store_corrupt" in lines[0], code.stderr
+    assert "Traceback" not in code.stderr + code.stdout
+    assert _files(path) == before
+
+
+def test_an_existing_environment_lacking_a_sub_database_is_never_given_one(tmp_path):
+    """The mechanism, without bit flips: drop a declared sub-database in LMDB itself."""
+    import lmdb
+
+    path = tmp_path / "store"
+    _saved_store(path)
+    env = lmdb.open(str(path), max_dbs=16)
+    with env.begin(write=True) as txn:
+        txn.drop(env.open_db(b"refs", txn=txn), delete=True)
+    env.close()
+    before = _files(path)
+    with pytest.raises(StoreCorrupt, match="refs"):
+        Store(path)
+    assert _files(path) == before
+
+
+def test_sub_databases_without_the_meta_record_are_refused(tmp_path):
+    """What an old main-database root looks like: every sub-database, no meta record."""
+    import lmdb
+
+    from kvstore.lmdbenv import DATABASES
+
+    path = tmp_path / "store"
+    env = lmdb.open(str(path), max_dbs=16)
+    with env.begin(write=True) as txn:
+        for name in DATABASES:
+            env.open_db(name.encode(), txn=txn, create=True)
+    env.close()
+    before = _files(path)
+    for readonly in (True, False):
+        with pytest.raises(StoreCorrupt, match="meta record"):
+            Store(path, readonly=readonly)
+    assert _files(path) == before
+
+
+def test_a_new_store_is_created_whole_and_reopens(tmp_path):
+    path = tmp_path / "store"
+    with make_store(path) as store:
+        save_prefix(store, IDENTITY, "default", TOKENS)
+    for readonly in (True, False):
+        with Store(path, readonly=readonly) as store:
+            assert restore_prefix(store, IDENTITY, "default", TOKENS)[0] == len(TOKENS)
+    assert run("check", "--data-dir", path).code == EXIT_OK
+
+
+def test_an_older_store_without_page_sizes_gains_it_read_write_only(tmp_path):
+    """page_sizes was declared after stores existed: such a store is not damaged."""
+    import lmdb
+
+    path = tmp_path / "store"
+    _saved_store(path)
+    env = lmdb.open(str(path), max_dbs=16)
+    with env.begin(write=True) as txn:
+        txn.drop(env.open_db(b"page_sizes", txn=txn), delete=True)
+    env.close()
+    with pytest.raises(StoreCorrupt, match="open it read-write once"):
+        Store(path, readonly=True)
+    with Store(path) as store:
+        assert restore_prefix(store, IDENTITY, "default", TOKENS)[0] == len(TOKENS)
+        assert store.check().problems == []
+    with Store(path, readonly=True) as store:
+        assert store.stats().block_count == 10
+
+
+def test_the_broken_fixture_store_is_refused(tmp_path):
+    """tests/kvstore/testdata/broken-pages-name: "pages" renamed by one bit."""
+    path = tmp_path / "broken"
+    path.mkdir()
+    packed = (TESTDATA / "broken-pages-name.data.mdb.zst").read_bytes()
+    (path / "data.mdb").write_bytes(zstandard.ZstdDecompressor().decompress(packed))
+    before = _files(path)
+    with pytest.raises(StoreCorrupt, match="pages"):
+        Store(path)
+    with pytest.raises(StoreCorrupt, match="pages"):
+        LmdbEnv(path, readonly=True)
+    ran = run("stats", "--data-dir", path)
+    assert ran.code == EXIT_INCOMPATIBLE and len(ran.stderr.strip().splitlines()) == 1
+    assert _files(path) == before
+
+
+def test_kvstore_serve_refuses_a_damaged_store_in_one_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "store"
+    _saved_store(path)
+    flip_sub_database_name(path, b"blocks")
+    before = _files(path)
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "KVSTORE_PORT": "1"}  # never bound
+    proc = subprocess.run([sys.executable, "-m", "tools.cli", "serve", "--data-dir", str(path)],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == EXIT_INCOMPATIBLE, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "blocks" in proc.stderr, proc.stderr
+    assert _files(path) == before
+
+
+def make_fixture(out_dir: Path = TESTDATA) -> Path:
+    """Regenerate the fixture: python -c 'from tests.kvstore.test_store_corrupt import
+    make_fixture; make_fixture()'."""
+    work = out_dir / "_work"
+    shutil.rmtree(work, ignore_errors=True)
+    with Store(work) as store:  # default map: the file holds only used pages
+        save_prefix(store, IDENTITY, "default", TOKENS[:8], checkpoint="c")
+    flip_sub_database_name(work, b"pages")
+    target = out_dir / "broken-pages-name.data.mdb.zst"
+    target.write_bytes(zstandard.ZstdCompressor(level=19).compress(_files(work)))
+    shutil.rmtree(work)
+    return target
