@@ -10,6 +10,7 @@
     export    checkpoint -> portable file or mlx-lm file (transfer.py, tools/portable.py)
     import    portable file -> checkpoint, verified first
     bench     run tools/bench suites                   (bench.py)
+    serve-model  mlx_lm.server with the store as its L2 prompt cache (serve_model.py)
 
 Each works on --data-dir or --url/--token, has --json, and uses the exit codes of
 tools/commands/common.py. A command's docstring is its --help, ending in an example.
@@ -21,7 +22,8 @@ import typer
 
 from tools.commands.common import EXIT_CODES
 
-COMMANDS = ("ls", "show", "formats", "stats", "check", "gc", "evict", "export", "import", "bench")
+COMMANDS = ("ls", "show", "formats", "stats", "check", "gc", "evict", "export", "import", "bench",
+            "serve-model")
 
 EPILOG = "Exit codes: " + "; ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items())
 
@@ -35,6 +37,10 @@ def register(app: typer.Typer) -> typer.Typer:
                      ("evict", maintain.evict), ("export", transfer.export),
                      ("import", transfer.import_), ("bench", bench.bench)):
         app.command(name, epilog=EPILOG)(fn)
+    from tools.commands import serve_model
+
+    app.command("serve-model", epilog=EPILOG,
+                context_settings=serve_model.CONTEXT_SETTINGS)(serve_model.serve_model)
     return app
 
 

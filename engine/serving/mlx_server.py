@@ -1,0 +1,231 @@
+"""mlx_lm.server with the two-tier prompt cache: the hooks, checked before they are used.
+
+serve(argv, ...) runs mlx-lm's own main() on argv (every mlx_lm.server flag, parsed by
+mlx-lm itself), with one module attribute replaced for the duration: mlx_lm.server.run,
+the function main() calls with (host, port, ModelProvider). The replacement does what
+mlx-lm's run() does (build the prompt cache, a ResponseGenerator over it, then
+_run_http_server, or join() on a non-zero distributed rank) with two differences: the
+prompt cache is a TwoTierPromptCache, and the request handler is mlx-lm's APIHandler
+with one more GET route, /metrics. mlx-lm's request handling, batching, tokenisation
+and HTTP API are its own, unchanged; nothing of them is copied here.
+
+Those hooks are mlx-lm internals, so check_mlx_lm() refuses, before anything starts,
+an mlx-lm outside SUPPORTED_MLX_LM or one whose hook signatures differ from what this
+file was written against (mlx-lm 0.32.2).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from engine.errors import EngineError
+from engine.serving.identity import ModelFingerprint, fingerprint_model
+from engine.serving.prompt_cache import ServingMetrics, TwoTierPromptCache
+from engine.serving.store_cache import ServingSettings, StoreTier, unsupported_reason
+
+log = logging.getLogger("kvstore.serve_model")
+
+SUPPORTED_MLX_LM = ((0, 32, 2), (0, 33, 0))  # [lowest, first unsupported)
+METRICS_PATH = "/metrics"
+# name -> parameter names its signature must start with (self included for methods)
+_HOOKS = {
+    "run": ("host", "port", "model_provider"),
+    "main": (),
+    "_run_http_server": ("host", "port", "response_generator", "server_class", "handler_class"),
+    "ResponseGenerator.__init__": ("self", "model_provider", "prompt_cache"),
+    "LRUPromptCache.__init__": ("self", "max_size", "max_bytes"),
+    "LRUPromptCache.fetch_nearest_cache": ("self", "model", "tokens"),
+    "LRUPromptCache.insert_cache": ("self", "model", "tokens", "prompt_cache", "cache_type"),
+    "APIHandler.do_GET": ("self",),
+}
+
+
+class UnsupportedMlxLm(EngineError):
+    """The installed mlx-lm is not one whose server hooks this code knows."""
+
+    code = "unsupported_mlx_lm"
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def check_mlx_lm():
+    """mlx_lm.server, after checking its version and hook signatures (UnsupportedMlxLm)."""
+    import mlx_lm
+    import mlx_lm.server as server
+
+    low, high = SUPPORTED_MLX_LM
+    version = _version(mlx_lm.__version__)
+    wanted = f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"
+    if not low <= version < high:
+        raise UnsupportedMlxLm(
+            f"kvstore serve-model hooks into mlx_lm.server internals and supports mlx-lm "
+            f"{wanted}; this is mlx-lm {mlx_lm.__version__}. Install a supported one: "
+            f"pip install 'mlx-lm{wanted}'")
+    problems = []
+    for name, params in _HOOKS.items():
+        obj = server
+        for part in name.split("."):
+            obj = getattr(obj, part, None)
+        if not callable(obj):
+            problems.append(f"mlx_lm.server.{name} is missing")
+            continue
+        got = tuple(inspect.signature(obj).parameters)[: len(params)]
+        if got != params:
+            problems.append(f"mlx_lm.server.{name}{got} where {params} was expected")
+    from mlx_lm.models.cache import LRUPromptCache
+    if server.LRUPromptCache is not LRUPromptCache:
+        problems.append("mlx_lm.server.LRUPromptCache is not mlx_lm.models.cache.LRUPromptCache")
+    if problems:
+        raise UnsupportedMlxLm(f"mlx-lm {mlx_lm.__version__}'s server hooks differ from the ones "
+                               f"serve-model was written against: " + "; ".join(problems))
+    return server
+
+
+@dataclass
+class StoreConnection:
+    """The store a server reads and publishes through (a Store, or two RemoteStores:
+    one with the lookup deadline as its timeout, one for uploads)."""
+
+    lookup_store: object
+    publish_store: object
+    describe: str
+
+    def close(self) -> None:
+        for store in {id(s): s for s in (self.lookup_store, self.publish_store)}.values():
+            store.close()
+
+
+def model_name(model: str) -> str:
+    """The name pages are filed under: a Hugging Face repo id as given, a local
+    directory by its own name (so hosts that keep it at other paths still share)."""
+    path = Path(model)
+    return path.resolve().name if path.exists() else model
+
+
+def local_model_dir(model: str) -> Path | None:
+    """The directory mlx-lm loads `model` from, without downloading (None if not yet)."""
+    path = Path(model)
+    if path.exists():
+        return path
+    try:
+        from mlx_lm.utils import hf_repo_to_path
+        return hf_repo_to_path(model)
+    except Exception:  # noqa: BLE001 - not in the hub cache yet: mlx-lm will fetch it
+        return None
+
+
+class _TierResolver:
+    """model_key -> the StoreTier serving it (built on first use, once the generation
+    thread has loaded the model), or None: only the --model the server started with,
+    and only when unsupported_reason() has nothing against it, gets an L2."""
+
+    def __init__(self, provider, connection: StoreConnection, settings: ServingSettings,
+                 metrics: ServingMetrics, fingerprint: ModelFingerprint | None):
+        args = provider.cli_args
+        self._provider, self._connection = provider, connection
+        self._settings, self._metrics = settings, metrics
+        self._fingerprint = fingerprint
+        self._default_key = (args.model, args.adapter_path, args.draft_model)
+        self._resolved, self._tier = False, None
+
+    def __call__(self, model_key):
+        if model_key != self._default_key or self._provider.model_key != model_key:
+            return None
+        if not self._resolved:
+            self._resolved = True
+            self._tier = self._build()
+        return self._tier
+
+    def _build(self):
+        args = self._provider.cli_args
+        reason = unsupported_reason(self._provider.model, args)
+        if reason is not None:
+            log.warning("the store tier (L2) is off for %s: %s; L1 serves as usual",
+                        args.model, reason)
+            return None
+        fingerprint = self._fingerprint
+        if fingerprint is None:
+            directory = local_model_dir(args.model)
+            fingerprint = fingerprint_model(directory, name=model_name(args.model),
+                                            adapter_dir=args.adapter_path)
+        tier = StoreTier(self._provider.model, fingerprint, self._connection.lookup_store,
+                         self._connection.publish_store, self._settings, self._metrics)
+        self._metrics.publisher_stats = tier.publish_stats
+        log.info("store tier (L2) on: %s, namespace %s, model id %s, format %s",
+                 self._connection.describe, tier.namespace, tier.model_id,
+                 tier.identity.format_id_hex[:16])
+        return tier
+
+    def close(self, drain_timeout_s: float) -> None:
+        if self._tier is not None and not self._tier.close(drain_timeout_s):
+            log.warning("stopped with publications still queued after %.0fs", drain_timeout_s)
+
+
+def _handler_class(base, metrics: ServingMetrics):
+    class KVStoreAPIHandler(base):
+        """mlx-lm's APIHandler plus GET /metrics (Prometheus text)."""
+
+        def do_GET(self):
+            if self.path.split("?", 1)[0] != METRICS_PATH:
+                return super().do_GET()
+            body = metrics.render().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.wfile.flush()
+
+    return KVStoreAPIHandler
+
+
+def serve(argv: list[str], connection: StoreConnection, settings: ServingSettings, *,
+          model: str, adapter_path: str | None = None, drain_timeout_s: float = 30.0,
+          on_ready: Callable[[ServingMetrics], None] | None = None) -> None:
+    """Run mlx_lm.server's main() on argv with the two-tier cache (module docstring).
+    Returns when the server stops (SIGINT), after draining queued publications."""
+    server = check_mlx_lm()
+    metrics = ServingMetrics()
+    directory = local_model_dir(model)
+    fingerprint = (fingerprint_model(directory, name=model_name(model), adapter_dir=adapter_path)
+                   if directory is not None else None)
+    original_run = server.run
+
+    def run(host, port, model_provider, server_class=server.ThreadingHTTPServer,
+            handler_class=None):
+        import mlx.core as mx
+
+        resolver = _TierResolver(model_provider, connection, settings, metrics, fingerprint)
+        prompt_cache = TwoTierPromptCache(model_provider.cli_args.prompt_cache_size,
+                                          resolve_tier=resolver, metrics=metrics)
+        generator = server.ResponseGenerator(model_provider, prompt_cache)
+        if on_ready is not None:
+            on_ready(metrics)
+        try:
+            if mx.distributed.init().rank() == 0:
+                server._run_http_server(host, port, generator, server_class=server_class,
+                                        handler_class=_handler_class(server.APIHandler, metrics))
+            else:
+                generator.join()
+        finally:
+            resolver.close(drain_timeout_s)
+
+    saved_argv = sys.argv
+    server.run = run
+    sys.argv = ["mlx_lm.server", *argv]
+    try:
+        server.main()
+    finally:
+        server.run = original_run
+        sys.argv = saved_argv

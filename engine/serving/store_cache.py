@@ -1,0 +1,286 @@
+"""StoreTier: the L2 prompt cache of a server; the one adapter onto engine restore/publish.
+
+Every call from engine.serving into engine.restore, engine.publish, engine.models and
+engine.writebehind is in this file (issue 18 changes restore's signature: only
+StoreTier.restore_prefix needs to follow it).
+
+Lookup (generation thread, bounded):
+  1. in an I/O thread, lookup_prefix for the longest stored prefix of the prompt
+     (leaving one token to compute); only if it beats what L1 matched, read its pages
+     (verified against their hashes by the store as they are read);
+  2. wait at most settings.lookup_timeout_s for that thread. A timeout or any store
+     error is a miss, counted, and L2 is skipped for settings.retry_after_s so that a
+     dead store costs one timeout, not one per request. The I/O thread does no MLX
+     work, so one that is left running cannot race the generation thread;
+  3. on the generation thread, engine.restore rebuilds the pages into plain mlx-lm
+     KVCache objects (cache_kind="kvcache"), which mlx-lm's BatchGenerator can merge.
+
+Publish (generation thread, never waits on the store):
+  the policy (segment type, minimum length, second sighting, byte budget per namespace)
+  decides; engine.publish.capture copies the pages to host memory (a copy of the
+  segment's K/V: the only work done on the generation thread) and the
+  WriteBehindPublisher uploads it from its own thread, dropping captures beyond its
+  byte cap. Prefixes this process already published or restored are not captured again
+  (their chain keys are remembered, a bounded LRU).
+
+Supported models: every layer full attention (KVCache). Models with sliding-window or
+recurrent layers, --kv-bits, and draft models are served from L1 only (see
+unsupported_reason), since their caches are not plain mergeable KVCaches at every
+segment boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from mlx_lm.models.cache import KVCache
+
+from engine.models import model_identity
+from engine.policy import KVPolicy
+from engine.publish import capture
+from engine.restore import restore
+from engine.serving.identity import ModelFingerprint
+from engine.writebehind import DEFAULT_CAPACITY_NBYTES, WriteBehindPublisher
+from kvstore.ids import ROOT_KEY, chain_key, check_namespace
+from kvstore.store import PrefixMatch
+
+log = logging.getLogger("kvstore.serve_model")
+
+SEGMENT_TYPES = ("system", "user", "assistant")
+DEFAULT_LOOKUP_TIMEOUT_S = 2.0
+DEFAULT_RETRY_AFTER_S = 10.0
+KNOWN_PREFIXES = 4096  # chain keys remembered for "already stored" and "seen once"
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    """The store tier's settings (docs/server.md lists each with its default)."""
+
+    namespace: str | None = None  # None: named after the model (ModelFingerprint)
+    lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
+    retry_after_s: float = DEFAULT_RETRY_AFTER_S
+    publish_segments: tuple[str, ...] = SEGMENT_TYPES
+    publish_min_tokens: int = 0  # 0: one block (policy.block_size_tokens)
+    publish_on_second_sighting: bool = False
+    namespace_budget_nbytes: int | None = None  # bytes this process may publish per namespace
+    publish_queue_nbytes: int = DEFAULT_CAPACITY_NBYTES
+    policy: KVPolicy = field(default_factory=KVPolicy)
+
+    def __post_init__(self):
+        unknown = set(self.publish_segments) - set(SEGMENT_TYPES)
+        if unknown:
+            raise ValueError(f"unknown segment types {sorted(unknown)}; use some of {SEGMENT_TYPES}")
+        if self.namespace is not None:
+            check_namespace(self.namespace)
+        if not self.lookup_timeout_s > 0 or self.retry_after_s < 0:
+            raise ValueError("lookup_timeout_s must be > 0 and retry_after_s >= 0")
+        if self.publish_min_tokens < 0 or self.publish_queue_nbytes <= 0:
+            raise ValueError("publish_min_tokens must be >= 0 and publish_queue_nbytes > 0")
+        if self.namespace_budget_nbytes is not None and self.namespace_budget_nbytes < 0:
+            raise ValueError("namespace_budget_nbytes must be >= 0")
+
+    @property
+    def min_tokens(self) -> int:
+        return self.publish_min_tokens or self.policy.block_size_tokens
+
+
+@dataclass
+class Lookup:
+    """What one L2 lookup gave: a cache list (None on a miss) and how it went."""
+
+    cache: list | None
+    tokens: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+    outcome: str = "miss"  # hit | miss | shorter | timeout | error | skipped
+
+
+class _Prefetched:
+    """A PageReader (kvstore.protocol) over what the I/O thread already fetched: one
+    prefix match and its verified page bytes. It answers the reads of a prefix restore
+    and nothing else (anything else would be a bug here: AssertionError)."""
+
+    maps_pages = False  # the pages are buffers in this process, not a mapped file
+
+    def __init__(self, match: PrefixMatch, pages: dict):
+        self._match, self._pages = match, pages
+
+    def lookup_prefix(self, format_id, namespace, tokens, *, max_tokens=None) -> PrefixMatch:
+        return self._match
+
+    def read_pages(self, digests: Sequence) -> list:
+        return [self._pages[d] for d in digests]
+
+    @contextmanager
+    def get_pages(self, digests: Sequence):
+        yield self.read_pages(digests)
+
+    def __getattr__(self, name):
+        raise AssertionError(f"a prefetched prefix restore read store.{name}")
+
+
+def unsupported_reason(model, cli_args) -> str | None:
+    """Why L2 cannot serve this model under these flags, or None when it can."""
+    if getattr(cli_args, "draft_model", None):
+        return "a draft model (speculative decoding) appends the draft's caches"
+    if getattr(cli_args, "kv_bits", None) is not None:
+        return "--kv-bits quantizes the cache as it grows (no plain KVCache to publish)"
+    caches = model.make_cache() if hasattr(model, "make_cache") else [KVCache()]
+    kinds = sorted({type(c).__name__ for c in caches if type(c) is not KVCache})
+    if kinds:
+        return f"layers with {', '.join(kinds)} (only full-attention models are supported)"
+    return None
+
+
+class _LRUSet:
+    def __init__(self, capacity: int):
+        self._items: OrderedDict = OrderedDict()
+        self._capacity = capacity
+
+    def add(self, key) -> None:
+        self._items[key] = None
+        self._items.move_to_end(key)
+        while len(self._items) > self._capacity:
+            self._items.popitem(last=False)
+
+    def __contains__(self, key) -> bool:
+        return key in self._items
+
+
+class StoreTier:
+    """L2 for one served model (see the module docstring).
+
+    lookup_store answers lookups (a RemoteStore with a short timeout, or the Store);
+    publish_store receives uploads (may be the same object)."""
+
+    def __init__(self, model, fingerprint: ModelFingerprint, lookup_store, publish_store,
+                 settings: ServingSettings, metrics):
+        self.model = model
+        self.settings = settings
+        self.metrics = metrics
+        self.namespace = settings.namespace or fingerprint.default_namespace
+        self.identity = model_identity(model, settings.policy, model_id=fingerprint.model_id,
+                                       tokenizer_fingerprint=fingerprint.tokenizer_fingerprint)
+        self.model_id = fingerprint.model_id
+        self.block_size = self.identity.block_size_tokens
+        self._lookup_store = lookup_store
+        self._io = ThreadPoolExecutor(2, thread_name_prefix="kvstore-lookup")
+        self._skip_until = 0.0
+        self._known = _LRUSet(KNOWN_PREFIXES)   # tail chain keys the store has
+        self._seen = _LRUSet(KNOWN_PREFIXES)    # tail chain keys seen once (second sighting)
+        self._published_nbytes = 0
+        self._lost = 0  # publisher drops + failures when _known was last trusted
+        self._lock = threading.Lock()
+        self.publisher = WriteBehindPublisher(publish_store, namespace=self.namespace,
+                                              capacity_nbytes=settings.publish_queue_nbytes)
+
+    # -- lookup --------------------------------------------------------------------
+    def _fetch(self, tokens: list[int], limit: int, better_than: int):
+        """I/O thread: the match, and its page bytes when it beats `better_than`."""
+        match = self._lookup_store.lookup_prefix(self.identity.format_id, self.namespace,
+                                                 tokens, max_tokens=limit)
+        if match.tokens_matched <= better_than:
+            return match, None
+        digests = [d for b in match.blocks for d in b.pages]
+        pages = self._lookup_store.read_pages(digests) if digests else []
+        return match, dict(zip(digests, pages, strict=True))
+
+    def lookup(self, tokens: list[int], better_than: int) -> Lookup:
+        """The longest stored prefix of `tokens` longer than `better_than` tokens, as
+        KVCaches, or a miss. Never raises for store trouble; bounded by the settings."""
+        limit = len(tokens) - 1
+        if limit <= better_than:
+            return Lookup(None, outcome="shorter")
+        now = time.monotonic()
+        if now < self._skip_until:
+            return Lookup(None, outcome="skipped")
+        future = self._io.submit(self._fetch, tokens, limit, better_than)
+        try:
+            match, pages = future.result(timeout=self.settings.lookup_timeout_s)
+        except FutureTimeout:
+            self._skip_until = time.monotonic() + self.settings.retry_after_s
+            log.warning("store lookup took over %.2fs: served as a miss; skipping the store "
+                        "for %.0fs", self.settings.lookup_timeout_s, self.settings.retry_after_s)
+            return Lookup(None, seconds=time.monotonic() - now, outcome="timeout")
+        except Exception as exc:  # noqa: BLE001 - a store problem is a miss, never a client error
+            self._skip_until = time.monotonic() + self.settings.retry_after_s
+            log.warning("store lookup failed (%s: %s): served as a miss; skipping the store "
+                        "for %.0fs", type(exc).__name__, exc, self.settings.retry_after_s)
+            return Lookup(None, seconds=time.monotonic() - now, outcome="error")
+        if pages is None:
+            return Lookup(None, seconds=time.monotonic() - now,
+                          outcome="shorter" if match.tokens_matched else "miss")
+        restored = self.restore_prefix(tokens, match, pages, limit)
+        self._remember(match.chain_keys[-1:])
+        return Lookup(restored.cache, restored.tokens_restored, restored.bytes_read,
+                      time.monotonic() - now, "hit")
+
+    def restore_prefix(self, tokens: list[int], match: PrefixMatch, pages: dict, limit: int):
+        """engine.restore over the prefetched pages, into mlx-lm KVCaches."""
+        return restore(self.model, tokens, _Prefetched(match, pages), model_id=self.model_id,
+                       policy=self.settings.policy, namespace=self.namespace,
+                       cache_kind="kvcache", max_tokens=limit,
+                       tokenizer_fingerprint=self.identity.tokenizer_fingerprint)
+
+    # -- publish -------------------------------------------------------------------
+    def tail_key(self, tokens: Sequence[int]) -> bytes:
+        """The chain key of the last block (full or partial) of `tokens`."""
+        fid, parent = self.identity.format_id, ROOT_KEY
+        for start in range(0, len(tokens), self.block_size):
+            parent = chain_key(fid, self.namespace, parent, tokens[start:start + self.block_size])
+        return parent
+
+    def _remember(self, keys) -> None:
+        with self._lock:
+            for key in keys:
+                self._known.add(bytes(key))
+
+    def offer(self, tokens: Sequence[int], caches: list, segment_type: str) -> str:
+        """Publish what a segment boundary inserted into L1, if the policy says so.
+        Returns the decision (for metrics): queued, or why not."""
+        s = self.settings
+        if segment_type not in s.publish_segments:
+            return "skipped_type"
+        if not caches or not all(isinstance(c, KVCache) for c in caches):
+            return "skipped_cache"
+        n = min(len(tokens), min(c.offset for c in caches))
+        if n < s.min_tokens:
+            return "skipped_short"
+        tokens = [int(t) for t in tokens[:n]]
+        key = bytes(self.tail_key(tokens))
+        stats = self.publisher.stats()
+        lost = stats["dropped"] + stats["failed"]
+        with self._lock:
+            if lost != self._lost:  # something queued never reached the store: re-offer all
+                self._known, self._lost = _LRUSet(KNOWN_PREFIXES), lost
+            if key in self._known:
+                return "skipped_known"
+            if s.publish_on_second_sighting and key not in self._seen:
+                self._seen.add(key)
+                return "skipped_first_sighting"
+            nbytes = self.identity.block_nbytes(self.block_size) * -(-n // self.block_size)
+            if (s.namespace_budget_nbytes is not None
+                    and self._published_nbytes + nbytes > s.namespace_budget_nbytes):
+                return "skipped_budget"
+            self._published_nbytes += nbytes
+            self._known.add(key)
+        cap = capture(self.identity, tokens, caches)
+        return "queued" if self.publisher.submit(cap, namespace=self.namespace) else "dropped"
+
+    def publish_stats(self) -> dict:
+        return self.publisher.stats()
+
+    def close(self, drain_timeout_s: float) -> bool:
+        """Upload what is queued (up to drain_timeout_s), then stop. True if all went."""
+        drained = self.publisher.drain(drain_timeout_s)
+        self.publisher.close(drain=False, timeout=1.0)
+        self._io.shutdown(wait=False, cancel_futures=True)
+        return drained

@@ -1,0 +1,173 @@
+"""StoreTier and the mlx-lm hook check, in process: policy, identity, bounded misses."""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine.policy import KVPolicy
+from engine.serving.identity import fingerprint_model
+from engine.serving.mlx_server import UnsupportedMlxLm, check_mlx_lm
+from engine.serving.prompt_cache import ServingMetrics
+from engine.serving.store_cache import ServingSettings, StoreTier
+from kvstore.store import Store
+
+BLOCK = 16
+POLICY = KVPolicy(block_size_tokens=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir):
+    model, tokenizer = load(str(model_dir))
+    return model, fingerprint_model(model_dir)
+
+
+def prefill(model, tokens):
+    """KVCaches holding `tokens`, computed by the model in one pass."""
+    cache = make_prompt_cache(model)
+    model(mx.array([tokens]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def tier_for(loaded, store, fingerprint=None, **settings):
+    model, default = loaded
+    settings.setdefault("policy", POLICY)
+    return StoreTier(model, fingerprint or default, store, store,
+                     ServingSettings(namespace="test", **settings), ServingMetrics())
+
+
+TOKENS = [(7 * i + 11) % 300 + 6 for i in range(70)]  # 70 tokens: 4 full blocks + 6
+
+
+def test_published_prefix_restores_bit_exact(loaded, tmp_path):
+    model, _ = loaded
+    with Store(tmp_path / "s") as store:
+        tier = tier_for(loaded, store)
+        caches = prefill(model, TOKENS)
+        assert tier.offer(TOKENS, caches, "system") == "queued"
+        assert tier.publisher.drain(10)
+        assert tier.publish_stats()["published"] == 1
+        fresh = tier_for(loaded, store)  # another process: nothing remembered
+        prompt = TOKENS + [9, 10, 11]
+        got = fresh.lookup(prompt, better_than=0)
+        assert got.outcome == "hit" and got.tokens == len(TOKENS)
+        assert got.bytes_read > 0
+        for restored, computed in zip(got.cache, caches, strict=True):
+            assert restored.offset == computed.offset
+            k1, v1 = restored.keys[..., : restored.offset, :], restored.values[..., : restored.offset, :]
+            k2, v2 = computed.keys[..., : computed.offset, :], computed.values[..., : computed.offset, :]
+            assert mx.array_equal(k1, k2).item() and mx.array_equal(v1, v2).item()  # tolerance 0
+        # leaves at least one token to compute, and never beats a longer L1 match
+        assert fresh.lookup(TOKENS, better_than=0).tokens == 4 * BLOCK
+        assert fresh.lookup(prompt, better_than=len(TOKENS)).outcome == "shorter"
+        tier.close(5)
+        fresh.close(5)
+
+
+def test_policy_segment_types_min_length_second_sighting_budget(loaded, tmp_path):
+    model, _ = loaded
+    caches = prefill(model, TOKENS)
+    with Store(tmp_path / "s") as store:
+        tier = tier_for(loaded, store, publish_segments=("system",), publish_min_tokens=40,
+                        publish_on_second_sighting=True)
+        assert tier.offer(TOKENS, caches, "assistant") == "skipped_type"
+        assert tier.offer(TOKENS[:39], caches, "system") == "skipped_short"
+        assert tier.offer(TOKENS, caches, "system") == "skipped_first_sighting"
+        assert tier.offer(TOKENS, caches, "system") == "queued"
+        assert tier.offer(TOKENS, caches, "system") == "skipped_known"
+        tier.close(10)
+        one_block = tier.identity.block_nbytes(BLOCK)
+        budget = tier_for(loaded, store, namespace_budget_nbytes=3 * one_block)
+        assert budget.offer(TOKENS[:40], caches, "user") == "queued"       # 3 blocks' bytes
+        assert budget.offer(TOKENS[:50], caches, "user") == "skipped_budget"
+        budget.close(10)
+        # the default minimum is one block
+        default = tier_for(loaded, store)
+        assert default.offer(TOKENS[: BLOCK - 1], caches, "user") == "skipped_short"
+        default.close(1)
+
+
+def test_another_tokenizer_fingerprint_never_hits(loaded, tmp_path):
+    model, fingerprint = loaded
+    caches = prefill(model, TOKENS)
+    with Store(tmp_path / "s") as store:
+        tier = tier_for(loaded, store)
+        tier.offer(TOKENS, caches, "system")
+        assert tier.publisher.drain(10)
+        other = type(fingerprint)(fingerprint.name, fingerprint.weights_digest, "0" * 64)
+        stranger = tier_for(loaded, store, fingerprint=other)
+        assert stranger.identity.format_id != tier.identity.format_id
+        assert stranger.lookup(TOKENS + [1], better_than=0).outcome == "miss"
+        assert tier_for(loaded, store).lookup(TOKENS + [1], better_than=0).outcome == "hit"
+        tier.close(1)
+
+
+class _SlowStore:
+    def __init__(self, delay_s):
+        self.delay_s, self.calls = delay_s, 0
+
+    def lookup_prefix(self, *args, **kwargs):
+        self.calls += 1
+        time.sleep(self.delay_s)
+        raise AssertionError("a lookup past its deadline must not be used")
+
+
+class _BrokenStore:
+    def lookup_prefix(self, *args, **kwargs):
+        raise ConnectionRefusedError("store is down")
+
+
+def test_slow_store_is_a_bounded_miss_then_skipped(loaded):
+    slow = _SlowStore(2.0)
+    tier = tier_for(loaded, slow, lookup_timeout_s=0.2, retry_after_s=30)
+    start = time.monotonic()
+    assert tier.lookup(TOKENS, better_than=0).outcome == "timeout"
+    assert time.monotonic() - start < 1.0
+    start = time.monotonic()
+    assert tier.lookup(TOKENS, better_than=0).outcome == "skipped"
+    assert time.monotonic() - start < 0.05 and slow.calls == 1
+    tier.close(0.1)
+
+
+def test_failing_store_is_a_miss(loaded):
+    tier = tier_for(loaded, _BrokenStore(), retry_after_s=0)
+    assert tier.lookup(TOKENS, better_than=0).outcome == "error"
+    assert tier.lookup(TOKENS, better_than=0).outcome == "error"  # retried: retry_after 0
+    tier.close(0.1)
+
+
+def test_check_mlx_lm_refuses_other_versions_and_changed_hooks(monkeypatch):
+    import mlx_lm
+    import mlx_lm.server as server
+
+    assert check_mlx_lm() is server
+    monkeypatch.setattr(mlx_lm, "__version__", "0.33.0")
+    with pytest.raises(UnsupportedMlxLm, match=r"supports mlx-lm >=0.32.2,<0.33.0"):
+        check_mlx_lm()
+    monkeypatch.setattr(mlx_lm, "__version__", "0.32.2")
+
+    def fetch_nearest_cache(self, tokens, model):  # arguments swapped
+        raise AssertionError
+
+    monkeypatch.setattr(server.LRUPromptCache, "fetch_nearest_cache", fetch_nearest_cache)
+    with pytest.raises(UnsupportedMlxLm, match="LRUPromptCache.fetch_nearest_cache"):
+        check_mlx_lm()
+
+
+def test_serve_model_exits_2_on_an_unsupported_mlx_lm(monkeypatch, model_dir, tmp_path):
+    import mlx_lm
+    from typer.testing import CliRunner
+
+    from tools.cli import app
+
+    monkeypatch.setattr(mlx_lm, "__version__", "0.31.0")
+    result = CliRunner().invoke(app, ["serve-model", "--model", str(model_dir),
+                                      "--store", str(tmp_path / "s")])
+    assert result.exit_code == 2, result.output
+    assert "supports mlx-lm" in result.output
+    assert not (tmp_path / "s").exists()  # refused before anything was opened
