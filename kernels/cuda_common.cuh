@@ -1,0 +1,6 @@
+// Definitions every CUDA kernel of this package shares (included by cuda_lane.cuh and
+// cuda_mma.cuh); the KV_* macros are what split_epilogue.h needs of a backend.
+#define KV_NEG_INF (-cuda::std::numeric_limits<float>::infinity())
+#define KV_THREAD threadIdx.x
+#define KV_MAX fmaxf
+#define KV_EXP2 exp2f
