@@ -3,16 +3,41 @@ here by a strict pattern, before any route code runs; kvstore re-checks it anywa
 
 Digests, chain keys and format ids travel as 64 lowercase hex characters; token ids
 as JSON integers in [0, 2^32). Page bytes never travel in JSON (see kvstore/wire.py).
+
+Types are strict: a JSON boolean is never a number, a string never an integer. The one
+leniency is the one JSON Schema itself makes: an integer field takes a number with no
+fractional part (12169280.0), since the OpenAPI document calls that an integer and a
+client that follows the document must not be refused (JsonInt). Bounds are checked on
+both branches; ints stay on pydantic's native path (a 4M-token lookup validates in
+about as long as with StrictInt).
+
+Checkpoint metadata is free-form JSON within stated limits (check_metadata): at most
+MAX_METADATA_DEPTH levels of nesting, MAX_METADATA_ENTRIES keys and list items in all,
+MAX_METADATA_NBYTES bytes of canonical JSON, finite numbers only. A record the service
+could not serve back is refused on the way in (400 invalid_input), never stored.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import json
+import math
+from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StringConstraints,
+    WithJsonSchema,
+)
 
+from kvstore.errors import InvalidInput
 from kvstore.format import MAX_LAYERS
-from kvstore.records import MAX_ATTACHMENTS
+from kvstore.records import MAX_ATTACHMENTS, MAX_METADATA_NBYTES
 
 HEX64_PATTERN = r"^[0-9a-f]{64}$"
 NAMESPACE_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,63}$"
@@ -20,11 +45,72 @@ NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.\-:@+]{0,127}$"
 MAX_DIGESTS_PER_REQUEST = 1 << 20
 MAX_TOKENS_PER_REQUEST = 1 << 22
 MAX_BLOCK_TOKENS = 65536
+MAX_METADATA_DEPTH = 16         # nesting levels of objects and arrays
+MAX_METADATA_ENTRIES = 1024     # object keys plus array items, over the whole tree
+MAX_METADATA_KEY_CHARS = 256
+
+
+def _integral(value: float) -> int:
+    if not value.is_integer():
+        raise ValueError("expected an integer")
+    return int(value)
+
+
+def json_int(ge: int | None = None, le: int | None = None):
+    """An integer field as JSON Schema means it: a JSON int, or a float with no
+    fractional part; never a boolean or a string."""
+    schema = {"type": "integer", **({"minimum": ge} if ge is not None else {}),
+              **({"maximum": le} if le is not None else {})}
+    return Annotated[Union[Annotated[StrictInt, Field(ge=ge, le=le)],
+                           Annotated[StrictFloat, Field(ge=ge, le=le), AfterValidator(_integral)]],
+                     Field(union_mode="left_to_right"), WithJsonSchema(schema)]
+
+
+def json_number(ge: float | None = None, le: float | None = None):
+    """A number field: a JSON int or float (finite), never a boolean or a string."""
+    schema = {"type": "number", **({"minimum": ge} if ge is not None else {}),
+              **({"maximum": le} if le is not None else {})}
+    return Annotated[Union[Annotated[StrictFloat, Field(ge=ge, le=le, allow_inf_nan=False)],
+                           Annotated[StrictInt, Field(ge=ge, le=le), AfterValidator(float)]],
+                     Field(union_mode="left_to_right"), WithJsonSchema(schema)]
+
+
+JsonInt = json_int()
+NonNegativeInt = json_int(ge=0)
+
+
+def check_metadata(metadata: dict) -> dict:
+    """Refuse (InvalidInput, a 400) metadata past the limits in the module docstring."""
+    entries = 0
+    stack = [(metadata, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > MAX_METADATA_DEPTH:
+                raise InvalidInput(f"checkpoint metadata nests deeper than {MAX_METADATA_DEPTH} levels")
+            entries += len(value)
+            if entries > MAX_METADATA_ENTRIES:
+                raise InvalidInput(f"checkpoint metadata holds more than {MAX_METADATA_ENTRIES} "
+                                   "keys and list items")
+            if isinstance(value, dict):
+                for key in value:
+                    if len(key) > MAX_METADATA_KEY_CHARS:
+                        raise InvalidInput(f"a checkpoint metadata key is longer than "
+                                           f"{MAX_METADATA_KEY_CHARS} characters")
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise InvalidInput("checkpoint metadata holds a non-finite number")
+    nbytes = len(json.dumps(metadata, sort_keys=True, separators=(",", ":")).encode())
+    if nbytes > MAX_METADATA_NBYTES:
+        raise InvalidInput(f"checkpoint metadata is {nbytes} bytes of JSON; the limit is "
+                           f"{MAX_METADATA_NBYTES}")
+    return metadata
+
 
 Hex64 = Annotated[str, StringConstraints(pattern=HEX64_PATTERN, min_length=64, max_length=64)]
 Namespace = Annotated[str, StringConstraints(pattern=NAMESPACE_PATTERN, max_length=64)]
 Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN, max_length=128)]
-TokenId = Annotated[StrictInt, Field(ge=0, le=2**32 - 1)]
+TokenId = json_int(ge=0, le=2**32 - 1)
 ShortText = Annotated[str, StringConstraints(max_length=256)]
 
 
@@ -40,23 +126,24 @@ class ErrorBody(BaseModel):
 # -- formats --------------------------------------------------------------------------
 class LayerSpecBody(Strict):
     kind: ShortText = "full"
-    kv_heads: StrictInt = 0
-    k_head_dim: StrictInt = 0
-    v_head_dim: StrictInt = 0
+    kv_heads: JsonInt = 0
+    k_head_dim: JsonInt = 0
+    v_head_dim: JsonInt = 0
     page_format: ShortText = "native-bf16"
-    group_size: StrictInt = 0
+    group_size: JsonInt = 0
     scale_dtype: ShortText = ""
     rotation: ShortText = "none"
-    window: StrictInt = 0
+    window: JsonInt = 0
 
 
 class FormatBody(Strict):
     model_id: ShortText
     model_fingerprint: ShortText
-    block_size_tokens: StrictInt
+    block_size_tokens: JsonInt
     layers: list[LayerSpecBody] = Field(max_length=MAX_LAYERS)
     tokenizer_fingerprint: ShortText = ""
-    schema_version: StrictInt = 1
+    schema_version: JsonInt = 1
+    converted_at_token: StrictInt = 0  # schema >= 2 (kvstore/format.py)
 
 
 class FormatPut(BaseModel):
@@ -133,7 +220,7 @@ class PrefixLookup(Strict):
     format_id: Hex64
     namespace: Namespace
     tokens: list[TokenId] = Field(max_length=MAX_TOKENS_PER_REQUEST)
-    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    max_tokens: NonNegativeInt | None = None
 
 
 class PrefixMatchOut(BaseModel):
@@ -150,7 +237,10 @@ class CheckpointBody(Strict):
     chain_keys: list[Hex64] = Field(max_length=MAX_DIGESTS_PER_REQUEST)
     attachments: dict[Annotated[str, StringConstraints(min_length=1, max_length=128)], Hex64] = \
         Field(default_factory=dict, max_length=MAX_ATTACHMENTS)
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(
+        default_factory=dict,
+        description=f"free-form JSON: at most {MAX_METADATA_DEPTH} levels deep, "
+                    f"{MAX_METADATA_ENTRIES} keys and list items, {MAX_METADATA_NBYTES} bytes")
 
 
 class CheckpointCreate(CheckpointBody):
@@ -218,7 +308,7 @@ class Health(BaseModel):
 
 
 class GCRequest(Strict):
-    grace_s: Annotated[float, Field(ge=0, le=10 * 365 * 86400)] = 3600.0
+    grace_s: json_number(ge=0, le=10 * 365 * 86400) = 3600.0
     dry_run: StrictBool = False
 
 
@@ -228,7 +318,7 @@ class GCOut(BaseModel):
 
 
 class EvictRequest(Strict):
-    to_nbytes: Annotated[StrictInt, Field(ge=0)]
+    to_nbytes: NonNegativeInt
 
 
 class EvictOut(BaseModel):
@@ -239,7 +329,7 @@ class EvictOut(BaseModel):
 
 class CheckRequest(Strict):
     read_data: StrictBool = False
-    subset: tuple[Annotated[StrictInt, Field(ge=0)], Annotated[StrictInt, Field(ge=1)]] | None = None
+    subset: tuple[NonNegativeInt, json_int(ge=1)] | None = None
 
 
 class ProblemOut(BaseModel):

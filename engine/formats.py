@@ -272,11 +272,13 @@ def page_spec_for(geometry: LayerGeometry, fmt: PageFormat, policy) -> PageSpec:
 
 
 def format_identity(config, policy, *, model_id: str, model_dtype: mx.Dtype,
-                    tokenizer_fingerprint: str = "") -> FormatIdentity:
+                    tokenizer_fingerprint: str = "", converted_at_token: int = 0) -> FormatIdentity:
     """kvstore's FormatIdentity for a model config (dict or ModelArgs) under a KV policy.
 
     Full layers get the policy's page format; sliding layers (attachments) record the
     model dtype's native format, the dtype their ring arrays travel in.
+    converted_at_token: for mlx-qB pages, the offset at which a native cache was
+    converted to them (0: quantized from the first token; engine/stock.py).
     """
     fmt = resolve_format(policy.format_for(model_id), model_dtype)
     native = native_format_name(model_dtype)
@@ -292,7 +294,8 @@ def format_identity(config, policy, *, model_id: str, model_dtype: mx.Dtype,
                                     window=geometry.window))
     return FormatIdentity(model_id=model_id, model_fingerprint=model_fingerprint(config),
                           block_size_tokens=policy.block_size_tokens, layers=tuple(layers),
-                          tokenizer_fingerprint=tokenizer_fingerprint)
+                          tokenizer_fingerprint=tokenizer_fingerprint,
+                          converted_at_token=converted_at_token)
 
 
 def page_specs(identity: FormatIdentity) -> list[PageSpec | None]:

@@ -46,11 +46,14 @@ def model_dtype(model: nn.Module) -> mx.Dtype:
 
 
 def model_identity(model: nn.Module, policy: KVPolicy, *, model_id: str,
-                   tokenizer_fingerprint: str = "") -> FormatIdentity:
-    """kvstore's format identity of this model's pages under the policy."""
+                   tokenizer_fingerprint: str = "", converted_at_token: int = 0) -> FormatIdentity:
+    """kvstore's format identity of this model's pages under the policy; for mlx-qB
+    pages of a converted cache, converted_at_token names the conversion offset
+    (engine.stock.conversion_offset(caches))."""
     return format_identity(model.args, policy, model_id=model_id,
                            model_dtype=model_dtype(model),
-                           tokenizer_fingerprint=tokenizer_fingerprint)
+                           tokenizer_fingerprint=tokenizer_fingerprint,
+                           converted_at_token=converted_at_token)
 
 
 def _stock_caches(model: nn.Module) -> list:

@@ -38,6 +38,7 @@ from engine.attachments import encode_attachment, token_offset
 from engine.cache import PagedKVCache
 from engine.errors import FormatMismatch, InvalidRequest, OffsetMismatch
 from engine.formats import PageSpec, page_specs
+from engine.stock import conversion_offset
 from kvstore.errors import MissingReferences
 from kvstore.format import FormatIdentity
 from kvstore.ids import ROOT_KEY, chain_key, page_digest
@@ -168,6 +169,7 @@ def capture(identity: FormatIdentity, tokens: Sequence[int], caches: Sequence,
         raise InvalidRequest(f"{len(caches)} caches for a format of {len(identity.layers)} layers")
     tokens = tuple(int(t) for t in tokens)
     _check_offsets(caches, len(tokens), exact=attachments)
+    _check_conversion(identity, caches, len(tokens))
     specs = page_specs(identity)
     layers, extra = [], {}
     for index, (cache, spec) in enumerate(zip(caches, specs)):
@@ -183,6 +185,22 @@ def capture(identity: FormatIdentity, tokens: Sequence[int], caches: Sequence,
             raise FormatMismatch(f"layer {index} is a full-attention layer with a "
                                  f"{type(cache).__name__}, which has no pages")
     return Capture(identity, tokens, layers, extra)
+
+
+def _check_conversion(identity: FormatIdentity, caches: Sequence, num_tokens: int) -> None:
+    """FormatMismatch unless the identity names how the caches' mlx-qB pages were made
+    (engine/stock.py): from the first token, or converted at converted_at_token. A
+    converted cache is never published below its conversion offset."""
+    held = conversion_offset(caches)
+    named = identity.converted_at_token
+    if held != named:
+        raise FormatMismatch(
+            f"the cache was quantized {'at token ' + str(held) if held else 'from its first token'}"
+            f", the identity says {'converted at token ' + str(named) if named else 'from the first token'}"
+            f": publish it under model_identity(..., converted_at_token={held})")
+    if named and num_tokens < named:
+        raise InvalidRequest(f"a cache converted at token {named} is not published below it "
+                             f"({num_tokens} tokens asked): no computation holds that prefix")
 
 
 def _check_offsets(caches: Sequence, num_tokens: int, *, exact: bool) -> None:

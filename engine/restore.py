@@ -10,7 +10,8 @@ is allocated:
   2. the source: for a model whose layers are all full attention, lookup_prefix over
      block records; for a model with sliding-window or recurrent layers, the longest
      checkpoint of the same format whose tokens prefix the prompt (their state is only
-     valid at exactly its own length, so it is never restored partway);
+     valid at exactly its own length, so it is never restored partway). Pages of a
+     converted identity (converted_at_token N) are never restored below N tokens;
   3. pool capacity for every paged layer (PoolExhausted before any allocation), or,
      with admission=, the price of the whole request (pages for the prompt plus
      max_new_tokens, staging, workspace) against the budget: a Deferred or Refused
@@ -56,6 +57,7 @@ from engine.formats import PAGED_FORMATS, PageSpec, blocks_from_pages, page_spec
 from engine.models import default_attention_impl, make_cache, make_pools, model_identity
 from engine.policy import KVPolicy
 from engine.publish import DEFAULT_NAMESPACE
+from engine.stock import ConvertedQuantizedKVCache, TrackedKVCache, make_stock_cache
 from kvstore.errors import IncompatibleFormat, NotFound
 from kvstore.format import FormatIdentity, LayerSpec, diff
 from kvstore.records import BlockRecord, Checkpoint
@@ -147,14 +149,16 @@ def check_target(identity: FormatIdentity, cache_kind: str, group_size: int | No
             DEFAULT_QUANTIZED_BITS if bits is None else bits)
 
 
-def find_checkpoint(store, identity: FormatIdentity, namespace: str, tokens: Sequence[int],
-                    limit: int) -> Checkpoint | None:
-    """The longest checkpoint of this format whose tokens prefix tokens[:limit]."""
+def find_checkpoint(store, identity: FormatIdentity, namespace: str,
+                    tokens: Sequence[int], limit: int) -> Checkpoint | None:
+    """The longest checkpoint of this format whose tokens prefix tokens[:limit] (and
+    reach the identity's conversion offset)."""
     best = None
     head = tuple(tokens[:limit])
     for ckpt in store.list_checkpoints(namespace):
         n = len(ckpt.tokens)
         if (ckpt.format_id == identity.format_id and 0 < n <= limit
+                and n >= identity.converted_at_token
                 and head[:n] == tuple(ckpt.tokens) and (best is None or n > len(best.tokens))):
             best = ckpt
     return best
@@ -191,7 +195,7 @@ def restore(model, tokens: Sequence[int], store, *, model_id: str,
             quantized_bits: int | None = None, tokenizer_fingerprint: str = "",
             checkpoint: str | None = None, admission=None, max_new_tokens: int = 0,
             request_id: str = "", deadline: float | None = None,
-            resident=None) -> Restored:
+            resident=None, converted_at_token: int = 0) -> Restored:
     """See the module docstring. checkpoint=NAME restores that checkpoint exactly and
     raises IncompatibleFormat (with the diff) when it was saved under another format.
 
@@ -201,7 +205,11 @@ def restore(model, tokens: Sequence[int], store, *, model_id: str,
 
     resident: an engine.resident.ResidentIndex over `pools` (its pools when none are
     given). Leading blocks it holds are shared from this process's pools instead of
-    read from the store; every restored full block is listed in it afterwards."""
+    read from the store; every restored full block is listed in it afterwards.
+
+    converted_at_token: the request's conversion history for mlx-qB pages (0: quantized
+    from the first token; N: a native cache converted at N, engine/stock.py). Only
+    pages of the same history are served, and never fewer than N tokens of them."""
     if cache_kind not in CACHE_KINDS:
         raise InvalidRequest(f"cache_kind must be one of {CACHE_KINDS}, got {cache_kind!r}")
     if resident is not None:
@@ -212,7 +220,8 @@ def restore(model, tokens: Sequence[int], store, *, model_id: str,
             raise InvalidRequest("the resident index serves other pools than these")
     policy = policy or KVPolicy()
     identity = model_identity(model, policy, model_id=model_id,
-                              tokenizer_fingerprint=tokenizer_fingerprint)
+                              tokenizer_fingerprint=tokenizer_fingerprint,
+                              converted_at_token=converted_at_token)
     quantized_group_size, quantized_bits = check_target(identity, cache_kind,
                                                         quantized_group_size, quantized_bits)
     if cache_kind == "paged" and pools is not None:
@@ -242,6 +251,8 @@ def restore(model, tokens: Sequence[int], store, *, model_id: str,
         ckpt = find_checkpoint(store, identity, namespace, tokens, limit)
         if ckpt is not None:
             blocks = store.get_blocks(ckpt.chain_keys)
+    if blocks and sum(len(b.tokens) for b in blocks) < identity.converted_at_token:
+        ckpt, blocks = None, []  # below the conversion: no computation of this history had it
 
     grant, decision = None, None
     if admission is not None:
@@ -309,19 +320,23 @@ def kvcache_from_pages(spec: PageSpec, pages: list) -> KVCache:
     if not spec.format.native:
         raise FormatMismatch(f"a KVCache holds native K/V, not {spec.format.name} pages")
     planes, n_tokens = _history(spec, pages)
-    cache = KVCache()
+    cache = TrackedKVCache()  # a later conversion (generate_step kv_bits) is recorded
     cache.state = (planes["k"], planes["v"], n_tokens)
     return cache
 
 
-def quantized_kvcache_from_pages(spec: PageSpec, pages: list) -> QuantizedKVCache:
+def quantized_kvcache_from_pages(spec: PageSpec, pages: list,
+                                 converted_at_token: int = 0) -> QuantizedKVCache:
     """An mlx-lm QuantizedKVCache holding mlx-qB pages (in block order), byte for byte:
     keys = (codes [1, H, tokens, Dk*B/32] u32, scales [1, H, tokens, Dk/G], biases
-    [1, H, tokens, Dk/G]), values likewise; bits and group size from the spec."""
+    [1, H, tokens, Dk/G]), values likewise; bits and group size from the spec. Pages of
+    a converted cache come back as a ConvertedQuantizedKVCache with its offset."""
     if not spec.format.mlx_affine:
         raise FormatMismatch(f"a QuantizedKVCache holds mlx-qB pages, not {spec.format.name}")
     planes, n_tokens = _history(spec, pages)
-    cache = QuantizedKVCache(group_size=spec.group_size, bits=spec.format.k_bits)
+    cache = (ConvertedQuantizedKVCache(spec.group_size, spec.format.k_bits, converted_at_token)
+             if converted_at_token else
+             QuantizedKVCache(group_size=spec.group_size, bits=spec.format.k_bits))
     cache.keys = tuple(planes[n] for n in ("k_codes", "k_scales", "k_biases"))
     cache.values = tuple(planes[n] for n in ("v_codes", "v_scales", "v_biases"))
     cache.offset = n_tokens
@@ -333,9 +348,10 @@ def _fresh(model, policy, model_id, pools, cache_kind, attention_impl, group_siz
     if cache_kind == "paged":
         return make_cache(model, policy, model_id=model_id, pools=pools,
                           attention_impl=attention_impl, grant=grant)
-    caches = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
-    if cache_kind == "quantized":
-        caches = [c.to_quantized(group_size, bits) if type(c) is KVCache else c for c in caches]
+    caches = make_stock_cache(model)
+    if cache_kind == "quantized":  # empty: quantized from the first token
+        caches = [QuantizedKVCache(group_size, bits) if isinstance(c, TrackedKVCache) else c
+                  for c in caches]
     return caches
 
 
@@ -375,7 +391,8 @@ def _build(model, policy, model_id, identity, pools, blocks: list[BlockRecord], 
                 else:
                     caches[layer] = grant.cache_from_pages(pools[layer], pages, attention_impl=impl)
             elif spec.format.mlx_affine:  # cache_kind "quantized" (check_target)
-                caches[layer] = quantized_kvcache_from_pages(spec, pages)
+                caches[layer] = quantized_kvcache_from_pages(spec, pages,
+                                                             identity.converted_at_token)
             else:
                 stock = kvcache_from_pages(spec, pages)
                 caches[layer] = stock.to_quantized(group_size, bits) if cache_kind == "quantized" else stock

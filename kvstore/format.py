@@ -9,7 +9,18 @@ sorted keys and no whitespace; the format id is
 
 Identities are stored, compared and diffed field by field. They are never inferred
 from a file name, a class name or hasattr. A schema version newer than
-SCHEMA_VERSION is refused (UnsupportedVersion), never guessed.
+SCHEMA_VERSION is refused (UnsupportedVersion), never guessed; older ones are read.
+
+Schema versions:
+  1  the fields above.
+  2  adds converted_at_token: how the pages were produced. 0: in their page format
+     from the first token (always so for native and kXvY pages, and for an mlx-lm
+     QuantizedKVCache built empty); N > 0: mlx-qB pages of a cache whose first N tokens
+     were computed natively and then converted (mlx-lm generate_step's kv_bits with
+     quantized_kv_start). The two computations differ, so they must not share a format
+     id or a chain. A schema-1 identity has no such field and its encoding (hence its
+     format id) is unchanged; for an mlx-qB schema-1 identity the conversion history
+     is unknown, so nothing written today matches it.
 
 Page byte layout per layer (docs/format.md has the full spec):
   native-*: K [kv_heads, tokens, k_head_dim] then V [kv_heads, tokens, v_head_dim],
@@ -34,7 +45,10 @@ import blake3
 
 from kvstore.errors import IncompatibleFormat, InvalidInput, UnsupportedVersion
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# The first schema version whose identities carry converted_at_token.
+CONVERSION_SCHEMA_VERSION = 2
+MAX_CONVERSION_TOKEN = 2**40
 FORMAT_DOMAIN_TAG = b"mlx-kvstore/format/v1\x00"
 
 LAYER_KINDS = ("full", "sliding", "state")
@@ -123,6 +137,7 @@ class FormatIdentity:
     layers: tuple[LayerSpec, ...]
     tokenizer_fingerprint: str = ""
     schema_version: int = SCHEMA_VERSION
+    converted_at_token: int = 0  # schema >= 2; see the module docstring
     _id: bytes = field(default=b"", init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -144,11 +159,27 @@ class FormatIdentity:
         _require(1 <= len(layers) <= MAX_LAYERS, f"a format has 1..{MAX_LAYERS} layers, got {len(layers)}")
         _require(all(isinstance(x, LayerSpec) for x in layers), "layers must be LayerSpec records")
         object.__setattr__(self, "layers", layers)
+        self._check_conversion()
         object.__setattr__(self, "_id", blake3.blake3(FORMAT_DOMAIN_TAG + self.canonical()).digest())
+
+    def _check_conversion(self) -> None:
+        value = self.converted_at_token
+        _require(isinstance(value, int) and not isinstance(value, bool)
+                 and 0 <= value < MAX_CONVERSION_TOKEN,
+                 f"converted_at_token must be an integer in [0, 2^40), got {value!r}")
+        if self.schema_version < CONVERSION_SCHEMA_VERSION:
+            _require(value == 0, f"a schema-{self.schema_version} identity has no conversion "
+                                 f"offset (converted_at_token needs schema "
+                                 f">= {CONVERSION_SCHEMA_VERSION})")
+        if value:
+            paged = [self.layers[i].page_format for i in self.paged_layers]
+            _require(bool(paged) and all(f in MLX_AFFINE_FORMATS for f in paged),
+                     "only mlx-qB pages are produced by converting a native cache; "
+                     f"converted_at_token={value} with page formats {sorted(set(paged))}")
 
     # -- encoding -----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "schema_version": self.schema_version,
             "model_id": self.model_id,
             "model_fingerprint": self.model_fingerprint,
@@ -156,6 +187,11 @@ class FormatIdentity:
             "block_size_tokens": self.block_size_tokens,
             "layers": [asdict(layer) for layer in self.layers],
         }
+        if self.schema_version >= CONVERSION_SCHEMA_VERSION:
+            # Written before schema 2 there was no such field: leaving it out keeps a
+            # schema-1 identity's encoding, and so its format id, as it was stored.
+            out["converted_at_token"] = self.converted_at_token
+        return out
 
     def canonical(self) -> bytes:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
@@ -171,6 +207,8 @@ class FormatIdentity:
                 f"({SCHEMA_VERSION}); upgrade mlx-kvstore to read it"
             )
         known = {f.name for f in fields(cls) if f.init}
+        # A schema-1 record has no converted_at_token; one that lists it as 0 (a body
+        # that spells out every default) means the same, any other value is refused.
         unknown = set(data) - known
         _require(not unknown, f"unknown format identity fields: {sorted(unknown)}")
         layers = data.get("layers")

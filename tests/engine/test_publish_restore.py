@@ -150,7 +150,9 @@ def test_restore_into_stock_caches_matches_stock_recompute(tmp_path, kind):
         restored = restore(model, prompt, store, model_id=MODEL_ID, policy=policy, cache_kind=kind)
     assert restored.tokens_restored == 90
     expected_type = KVCache if kind == "kvcache" else QuantizedKVCache
-    assert all(type(c) is expected_type for c in restored.cache)
+    assert all(isinstance(c, expected_type) for c in restored.cache)
+    if kind == "quantized":  # quantized on restore: a conversion at the restored offset
+        assert {c.converted_at_token for c in restored.cache} == {90}
     # Recompute the way mlx-lm does with kv_bits (generate_step's maybe_quantize_kv_cache):
     # prefill natively, then KVCache.to_quantized. A QuantizedKVCache from the first token
     # is a different computation (later layers see quantized attention), not a reference.

@@ -258,11 +258,18 @@ GOLDEN_MLX_Q4_PAGE = (
 GOLDEN_MLX_Q4_DIGEST = "1c7bedbc83e933a82d185d4b2fcf687e964ed32831e9f074eda702b5ca804259"
 
 
-def golden_identity() -> FormatIdentity:
+# Schema 2 (docs/format.md section 5): the same identity, and an mlx-q4 one converted at
+# token 5000. The schema-1 vector above must keep its id: stores hold chains under it.
+GOLDEN_FORMAT_ID_V2 = "8fe5d61efad02375a88fe18d1e44c181517de7b3b217b3d428d48b7e73c38d9b"
+GOLDEN_FORMAT_ID_CONVERTED = "6b8a978f0b37e698b61508264ad2af50106ff6fa1251c44e6af79028cc236dc7"
+
+
+def golden_identity(schema_version: int = 1) -> FormatIdentity:
     native = LayerSpec("full", 8, 128, 128, "native-bf16")
     packed = LayerSpec("full", 8, 128, 128, "k8v4", 64, "float32", "signed-hadamard:1234")
     return FormatIdentity("example/model-8b", "0123456789abcdef" * 4, 256, (native, packed),
-                          tokenizer_fingerprint="fedcba9876543210" * 4)
+                          tokenizer_fingerprint="fedcba9876543210" * 4,
+                          schema_version=schema_version)
 
 
 def spec_chain_key(format_id: bytes, namespace: str, parent: bytes, tokens: list[int]) -> str:
@@ -295,6 +302,22 @@ def test_golden_format_id():
     assert identity.canonical().decode() == GOLDEN_FORMAT_JSON
     assert identity.format_id_hex == GOLDEN_FORMAT_ID
     assert blake3.blake3(b"mlx-kvstore/format/v1\x00" + GOLDEN_FORMAT_JSON.encode()).hexdigest() == GOLDEN_FORMAT_ID
+
+
+def test_golden_format_ids_of_schema_2():
+    v2 = golden_identity(schema_version=2)
+    assert v2.canonical().decode() == GOLDEN_FORMAT_JSON.replace(
+        '{"block_size_tokens":256,', '{"block_size_tokens":256,"converted_at_token":0,').replace(
+        '"schema_version":1', '"schema_version":2')
+    assert v2.format_id_hex == GOLDEN_FORMAT_ID_V2
+    q4 = LayerSpec("full", 8, 128, 128, "mlx-q4", 64, "bfloat16")
+    converted = FormatIdentity("example/model-8b", "0123456789abcdef" * 4, 256, (q4, q4),
+                               tokenizer_fingerprint="fedcba9876543210" * 4,
+                               converted_at_token=5000)
+    assert '"converted_at_token":5000' in converted.canonical().decode()
+    assert converted.format_id_hex == GOLDEN_FORMAT_ID_CONVERTED
+    assert blake3.blake3(b"mlx-kvstore/format/v1\x00" + converted.canonical()).hexdigest() \
+        == GOLDEN_FORMAT_ID_CONVERTED
 
 
 def test_golden_page_header():

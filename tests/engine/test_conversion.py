@@ -1,0 +1,95 @@
+"""Issue 17 defect 5: a QuantizedKVCache converted partway is another computation than one
+quantized from its first token, so it gets another format id, chain and minimum offset."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import QuantizedKVCache
+
+from engine.errors import FormatMismatch
+from engine.models import model_identity
+from engine.policy import KVPolicy
+from engine.publish import capture, publish
+from engine.restore import restore
+from kvstore.store import Store
+from tests.engine.factories import prompt_tokens, tiny_model
+
+MODEL_ID = "test/tiny"
+POLICY = KVPolicy(default_format="mlx-q4", group_size=64, block_size_tokens=16)
+
+
+def _converted(model, store, prompt, start):
+    """What a user gets from generate_step(kv_bits=4, quantized_kv_start=start) on the
+    engine's stock caches: the first `start` tokens native, then mx.quantize'd."""
+    fresh = restore(model, prompt, store, model_id=MODEL_ID, policy=KVPolicy(block_size_tokens=16),
+                    cache_kind="kvcache")
+    assert fresh.tokens_restored == 0
+    cache = fresh.cache
+    for _ in generate_step(mx.array(prompt), model, prompt_cache=cache, max_tokens=1, kv_bits=4,
+                           kv_group_size=64, quantized_kv_start=start, prefill_step_size=start):
+        pass
+    assert all(isinstance(c, QuantizedKVCache) for c in cache)
+    return cache
+
+
+def _from_token_zero(model, prompt):
+    caches = [QuantizedKVCache(group_size=64, bits=4) for _ in model.layers]
+    mx.eval(model(mx.array([prompt]), cache=caches))
+    return caches
+
+
+def test_a_converted_cache_is_never_served_as_one_quantized_from_token_zero(tmp_path):
+    model = tiny_model("llama", mx.bfloat16)
+    prompt = prompt_tokens(70, seed=70).tolist()
+    zero_identity = model_identity(model, POLICY, model_id=MODEL_ID)
+    with Store(tmp_path / "s") as store:
+        converted = _converted(model, store, prompt, start=32)
+        # publishing it as "quantized from token 0" is refused: its pages differ
+        with pytest.raises(FormatMismatch, match="converted_at_token=32"):
+            publish(store, zero_identity, prompt, converted)
+        ours = _from_token_zero(model, prompt)
+        publish(store, zero_identity, prompt, ours)
+        # under its own identity it is another format and another chain: nothing skipped
+        converted_identity = model_identity(model, POLICY, model_id=MODEL_ID, converted_at_token=32)
+        assert converted_identity.format_id != zero_identity.format_id
+        result = publish(store, converted_identity, prompt, converted)
+        assert (result.blocks, result.blocks_skipped) == (5, 0)
+        want_zero = capture(zero_identity, prompt, ours)
+        want_converted = capture(converted_identity, prompt, converted)
+        # layer 0 sees only embeddings; layer 1 saw native attention in one, quantized in the other
+        assert want_zero.layers[1].page(0) != want_converted.layers[1].page(0)
+
+        # each request gets the pages of its own history, byte for byte
+        request = prompt + [1]
+        zero = restore(model, request, store, model_id=MODEL_ID, policy=POLICY, cache_kind="quantized")
+        conv = restore(model, request, store, model_id=MODEL_ID, policy=POLICY, cache_kind="quantized",
+                       converted_at_token=32)
+        assert zero.tokens_restored == conv.tokens_restored == 70
+        got_zero = capture(zero_identity, prompt, zero.cache)
+        got_converted = capture(converted_identity, prompt, conv.cache)
+        for want, got in ((want_zero, got_zero), (want_converted, got_converted)):
+            assert all(a.page(i) == b.page(i) for a, b in zip(want.layers, got.layers)
+                       for i in range(5))
+        # the converted pages are never matched or trimmed below their conversion
+        short = restore(model, request, store, model_id=MODEL_ID, policy=POLICY,
+                        cache_kind="quantized", converted_at_token=32, max_tokens=20)
+        assert short.tokens_restored == 0
+        assert conv.cache[0].trim(60) == 38 and conv.cache[0].offset == 32
+        # a history nobody published is a miss, not another history's pages
+        other = restore(model, request, store, model_id=MODEL_ID, policy=POLICY,
+                        cache_kind="quantized", converted_at_token=48)
+        assert other.tokens_restored == 0
+
+
+def test_a_converted_cache_is_not_published_below_its_conversion(tmp_path):
+    from engine.errors import InvalidRequest
+
+    model = tiny_model("llama", mx.bfloat16)
+    prompt = prompt_tokens(70, seed=71).tolist()
+    identity = model_identity(model, POLICY, model_id=MODEL_ID, converted_at_token=32)
+    with Store(tmp_path / "s") as store:
+        converted = _converted(model, store, prompt, start=32)
+        with pytest.raises(InvalidRequest, match="below"):
+            publish(store, identity, prompt[:20], converted)
