@@ -60,6 +60,7 @@ from engine.publish import DEFAULT_NAMESPACE
 from engine.stock import ConvertedQuantizedKVCache, TrackedKVCache, make_stock_cache
 from kvstore.errors import IncompatibleFormat, NotFound
 from kvstore.format import FormatIdentity, LayerSpec, diff
+from kvstore.protocol import PageReader
 from kvstore.records import BlockRecord, Checkpoint
 
 CACHE_KINDS = ("paged", "kvcache", "quantized")
@@ -149,7 +150,7 @@ def check_target(identity: FormatIdentity, cache_kind: str, group_size: int | No
             DEFAULT_QUANTIZED_BITS if bits is None else bits)
 
 
-def find_checkpoint(store, identity: FormatIdentity, namespace: str,
+def find_checkpoint(store: PageReader, identity: FormatIdentity, namespace: str,
                     tokens: Sequence[int], limit: int) -> Checkpoint | None:
     """The longest checkpoint of this format whose tokens prefix tokens[:limit] (and
     reach the identity's conversion offset)."""
@@ -165,18 +166,15 @@ def find_checkpoint(store, identity: FormatIdentity, namespace: str,
 
 
 @contextmanager
-def _pages(store, digests: list):
-    """Verified page buffers: zero-copy views of the LMDB map for a local Store (and a
-    RemoteStore with local_dir); a RemoteStore streams pages over HTTP into buffers it
-    preallocates (readinto, no accumulated bytes)."""
+def _pages(store: PageReader, digests: list):
+    """Verified page buffers from store.get_pages: zero-copy views of the LMDB map where
+    the store maps its pages (store.maps_pages), else buffers it fetched into (a
+    RemoteStore over HTTP; admission prices those as staging)."""
     if not digests:
         yield []
         return
-    if hasattr(store, "get_pages"):
-        with store.get_pages(digests) as views:
-            yield views
-    else:
-        yield store.read_pages(digests)
+    with store.get_pages(digests) as views:
+        yield views
 
 
 def _check_capacity(pools, n_blocks: int) -> None:
@@ -263,7 +261,7 @@ def restore(model, tokens: Sequence[int], store, *, model_id: str,
         decision = admission.admit(profile, AdmissionRequest(
             request_id, len(tokens), max_new_tokens, deadline, restore_blocks=len(blocks),
             restored_tokens=sum(len(b.tokens) for b in blocks),
-            restore_remote=not hasattr(store, "get_pages")))
+            restore_remote=not store.maps_pages))
         if not decision.granted:
             return Restored(None, 0, decision=decision)
         grant = decision.grant

@@ -509,3 +509,36 @@ def test_a_restore_that_fits_is_granted_and_its_staging_refunded(tmp_path):
         assert [p.num_used_blocks for p in pools] == [0, 0]
         assert controller.committed_nbytes == controller.arena_nbytes
         assert model_dtype(model) == mx.bfloat16
+
+
+def test_a_remote_restore_is_priced_with_the_buffers_it_fetches_into(tmp_path):
+    # Issue 17: RemoteStore over HTTP fetches every page into a buffer (maps_pages False),
+    # a local Store maps them; the staging price must say so.
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from api.settings import Settings
+    from engine.pricing import restore_staging_nbytes
+    from kvstore.client import RemoteStore
+
+    model = tiny_model("llama", mx.bfloat16)
+    tokens = prompt_tokens(100, seed=11).tolist()
+    with _published(tmp_path, model, tokens) as store:
+        app = create_app(store=store, settings=Settings(data_dir=store.path))
+        with TestClient(app) as client:
+            remote = RemoteStore("http://testserver", None, client=client)
+            prices = {}
+            for name, source in (("local", store), ("remote", remote)):
+                controller, pools, profile = _setup(model, num_blocks=16)
+                result = restore(model, tokens + [3], source, model_id=MODEL_ID, policy=NATIVE,
+                                 pools=pools, admission=controller, max_new_tokens=4,
+                                 request_id=name)
+                assert isinstance(result.decision, Granted) and result.tokens_restored == 100
+                prices[name] = result.decision.price
+                result.grant.close()
+                controller.retire_all()
+    assert (store.maps_pages, remote.maps_pages) == (True, False)
+    assert prices["local"].restore_blocks == prices["remote"].restore_blocks == 7
+    assert prices["local"].staging_nbytes == restore_staging_nbytes(profile, 7, remote=False)
+    assert prices["remote"].staging_nbytes == restore_staging_nbytes(profile, 7, remote=True)
+    assert prices["remote"].staging_nbytes > prices["local"].staging_nbytes
