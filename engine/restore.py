@@ -10,8 +10,12 @@ is allocated:
   2. the source: for a model whose layers are all full attention, lookup_prefix over
      block records; for a model with sliding-window or recurrent layers, the longest
      checkpoint of the same format whose tokens prefix the prompt (their state is only
-     valid at exactly its own length, so it is never restored partway). Pages of a
-     converted identity (converted_at_token N) are never restored below N tokens;
+     valid at exactly its own length, so it is never restored partway). A source stops
+     before the first block with a missing or quarantined page (lookup_prefix does it;
+     for a checkpoint, has_blocks and missing() say so without reading a page): a
+     checkpoint without attachments gives the blocks before it, one with attachments
+     is passed over for a shorter usable one (or, named, restores nothing). Pages of
+     a converted identity (converted_at_token N) are never restored below N tokens;
   3. pool capacity for every paged layer (PoolExhausted before any allocation), or,
      with admission=, the price of the whole request (pages for the prompt plus
      max_new_tokens, staging, workspace) against the budget: a Deferred or Refused
@@ -42,6 +46,7 @@ published bytes, byte for byte.
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Sequence
@@ -63,6 +68,7 @@ from kvstore.format import FormatIdentity, LayerSpec, diff
 from kvstore.protocol import PageReader
 from kvstore.records import BlockRecord, Checkpoint
 
+log = logging.getLogger(__name__)
 CACHE_KINDS = ("paged", "kvcache", "quantized")
 # mlx-lm's QuantizedKVCache defaults, used when native pages are quantized on restore.
 DEFAULT_QUANTIZED_GROUP_SIZE = 64
@@ -152,17 +158,46 @@ def check_target(identity: FormatIdentity, cache_kind: str, group_size: int | No
 
 def find_checkpoint(store: PageReader, identity: FormatIdentity, namespace: str,
                     tokens: Sequence[int], limit: int) -> Checkpoint | None:
-    """The longest checkpoint of this format whose tokens prefix tokens[:limit] (and
-    reach the identity's conversion offset)."""
-    best = None
+    """The longest usable checkpoint of this format whose tokens prefix tokens[:limit]
+    (and reach the identity's conversion offset). Usable: every block and attachment
+    page is present and not quarantined (_complete); a damaged one is passed over for
+    the next shorter, since attachment state is only valid at its own length."""
     head = tuple(tokens[:limit])
-    for ckpt in store.list_checkpoints(namespace):
-        n = len(ckpt.tokens)
-        if (ckpt.format_id == identity.format_id and 0 < n <= limit
-                and n >= identity.converted_at_token
-                and head[:n] == tuple(ckpt.tokens) and (best is None or n > len(best.tokens))):
-            best = ckpt
-    return best
+    candidates = [c for c in store.list_checkpoints(namespace)
+                  if c.format_id == identity.format_id and 0 < len(c.tokens) <= limit
+                  and len(c.tokens) >= identity.converted_at_token
+                  and head[: len(c.tokens)] == tuple(c.tokens)]
+    for ckpt in sorted(candidates, key=lambda c: len(c.tokens), reverse=True):
+        if _complete(store, ckpt) == (len(ckpt.chain_keys), True):
+            return ckpt
+        log.info("checkpoint %s/%s has a missing or quarantined page; trying a shorter one",
+                 namespace, ckpt.name)
+    return None
+
+
+def _complete(store: PageReader, ckpt: Checkpoint) -> tuple[int, bool]:
+    """(leading chain keys whose blocks are complete, whether every attachment page is
+    present): presence checks only, nothing is read or hashed. has_blocks answers False
+    for a block whose record or any page is missing or quarantined."""
+    present = store.has_blocks(list(ckpt.chain_keys)) if ckpt.chain_keys else []
+    whole = next((i for i, ok in enumerate(present) if not ok), len(present))
+    attachments = list(ckpt.attachments.values())
+    return whole, not attachments or not store.missing(attachments)
+
+
+def _usable_part(store: PageReader, ckpt: Checkpoint) -> tuple[Checkpoint | None, list]:
+    """What of a named checkpoint can be restored: all of it when complete; for one
+    without attachments (a model of full-attention layers only) the blocks before the
+    first damaged one, the caller recomputing the rest; for one with attachments
+    (valid only at exactly its length) nothing."""
+    whole, attachments_ok = _complete(store, ckpt)
+    if whole == len(ckpt.chain_keys) and attachments_ok:
+        return ckpt, store.get_blocks(ckpt.chain_keys)
+    log.info("checkpoint %s/%s has a missing or quarantined page after block %d",
+             ckpt.namespace, ckpt.name, whole)
+    if ckpt.attachments or whole == 0:
+        return None, []
+    return ckpt, store.get_blocks(ckpt.chain_keys[:whole])
 
 
 @contextmanager
@@ -241,7 +276,7 @@ def restore(model, tokens: Sequence[int], store, *, model_id: str,
                 [("format_id", identity.format_id_hex, ckpt.format_id.hex())])
         if tuple(tokens[: len(ckpt.tokens)]) != tuple(ckpt.tokens):
             raise InvalidRequest(f"checkpoint {namespace}/{checkpoint} is not a prefix of the prompt")
-        blocks = store.get_blocks(ckpt.chain_keys)
+        ckpt, blocks = _usable_part(store, ckpt)
     elif limit > 0 and all_full:
         blocks = list(store.lookup_prefix(identity.format_id, namespace, tokens,
                                           max_tokens=limit).blocks)
