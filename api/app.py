@@ -7,8 +7,10 @@
 The store is opened in the lifespan (never at import, never before a fork) and
 closed there, unless the caller passed an open one. The middleware stack, outermost
 first: metrics (counts every request, refused ones too), authentication (before
-routing, so every path but /v1/health needs the token when one is set), body limits,
-then FastAPI's routing and the error table of api/errors.py.
+routing, so every path but /v1/health needs the token when one is set), header count,
+then body limits and timeouts, then the method check (405 with a true Allow), then
+FastAPI's routing and the error table of api/errors.py. Header bytes are capped even
+earlier, by uvicorn (api/server.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from fastapi import FastAPI
 
 from api import errors
 from api.auth import AuthMiddleware, TokenTable
-from api.limits import BodyLimitMiddleware
+from api.budget import DecodeBudget
+from api.limits import BodyLimitMiddleware, HeaderLimitMiddleware, UploadSlots
+from api.methods import MethodMiddleware
 from api.metrics import Metrics, MetricsMiddleware
 from api.routes import ROUTERS
 from api.settings import Settings
@@ -72,15 +76,22 @@ def create_app(store: Store | None = None, settings: Settings | None = None, *,
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.tokens = tokens
-    app.state.upload_slots = anyio.Semaphore(settings.max_concurrent_uploads)
+    app.state.upload_slots = UploadSlots(settings.max_concurrent_uploads,
+                                         settings.max_uploads_per_token)
     app.state.read_slots = anyio.Semaphore(settings.max_concurrent_reads)
+    app.state.decode_budget = DecodeBudget(settings.max_read_decoded_nbytes,
+                                           settings.max_read_decoded_nbytes_per_token)
     for router in ROUTERS:
         app.include_router(router)
     errors.install(app)
     # add_middleware wraps: the last added is the outermost
+    app.add_middleware(MethodMiddleware, routes=app.router.routes)
     app.add_middleware(BodyLimitMiddleware, max_page_nbytes=settings.max_page_nbytes,
                        max_json_nbytes=settings.max_json_nbytes,
-                       max_batch_pages=settings.max_batch_pages)
+                       max_batch_pages=settings.max_batch_pages,
+                       body_timeout_s=settings.body_timeout_s,
+                       min_body_bytes_per_s=settings.min_body_bytes_per_s)
+    app.add_middleware(HeaderLimitMiddleware, max_header_count=settings.max_header_count)
     app.add_middleware(AuthMiddleware, tokens=tokens)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

@@ -143,7 +143,7 @@ class FormatBody(Strict):
     layers: list[LayerSpecBody] = Field(max_length=MAX_LAYERS)
     tokenizer_fingerprint: ShortText = ""
     schema_version: JsonInt = 1
-    converted_at_token: StrictInt = 0  # schema >= 2 (kvstore/format.py)
+    converted_at_token: JsonInt = 0  # schema >= 2 (kvstore/format.py)
 
 
 class FormatPut(BaseModel):

@@ -3,6 +3,12 @@
 Binding a non-loopback address without any token would expose every namespace and
 the admin routes to the network, so it is refused (UnsafeBind). One worker process:
 the store is one LMDB environment per process, and the service is I/O bound on it.
+
+The HTTP parser is h11, not httptools: h11 refuses a request line plus headers longer
+than its max incomplete event size (max_header_nbytes) before the app or the token
+check sees anything, where httptools buffers header lines without limit (two
+connections of 50 MB of headers added 198 MiB of RSS, issue 23). The header count is
+capped in the app (api/limits.py HeaderLimitMiddleware).
 """
 
 from __future__ import annotations
@@ -41,4 +47,5 @@ def serve(settings: Settings) -> None:
     app = create_app(settings=settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 workers=1, server_header=False, date_header=True, timeout_keep_alive=30,
-                proxy_headers=False)
+                proxy_headers=False, http="h11",
+                h11_max_incomplete_event_size=settings.max_header_nbytes)

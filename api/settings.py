@@ -14,7 +14,16 @@
     max_batch_nbytes = 1073741824       # KVSTORE_MAX_BATCH_NBYTES: one batch read
     max_concurrent_uploads = 8          # KVSTORE_MAX_CONCURRENT_UPLOADS: page bodies in
                                         # memory at once (others wait); 8 x 64 MiB
+    max_uploads_per_token = 4           # KVSTORE_MAX_UPLOADS_PER_TOKEN: of those, one token's
     max_concurrent_reads = 4            # KVSTORE_MAX_CONCURRENT_READS: batch reads at once
+    body_timeout_s = 10.0               # KVSTORE_BODY_TIMEOUT_S: a body's grace before...
+    min_body_bytes_per_s = 1048576      # KVSTORE_MIN_BODY_BYTES_PER_S: ...it must average this
+    max_header_nbytes = 65536           # KVSTORE_MAX_HEADER_NBYTES: request line + headers
+    max_header_count = 100              # KVSTORE_MAX_HEADER_COUNT: header lines per request
+    max_read_decoded_nbytes = 536870912 # KVSTORE_MAX_READ_DECODED_NBYTES: page bytes decoded
+                                        # for batch reads in flight, all tokens together
+    max_read_decoded_nbytes_per_token = 268435456  # ..._PER_TOKEN: one token's share; also
+                                        # the most one batch read may decode
     budget_nbytes = 0                   # KVSTORE_BUDGET_NBYTES: 0 = no eviction budget
     map_nbytes = 1073741824             # KVSTORE_MAP_NBYTES: initial LMDB map
     max_map_nbytes = 1099511627776      # KVSTORE_MAX_MAP_NBYTES
@@ -63,7 +72,14 @@ class Settings(BaseModel):
     max_batch_pages: int = Field(16384, ge=1, le=1 << 20)
     max_batch_nbytes: int = Field(1 << 30, ge=1, le=1 << 36)
     max_concurrent_uploads: int = Field(8, ge=1, le=1024)
+    max_uploads_per_token: int = Field(4, ge=1, le=1024)
     max_concurrent_reads: int = Field(4, ge=1, le=1024)
+    body_timeout_s: float = Field(10.0, gt=0, le=3600)
+    min_body_bytes_per_s: int = Field(1 << 20, ge=1)
+    max_header_nbytes: int = Field(64 << 10, ge=4096, le=1 << 20)
+    max_header_count: int = Field(100, ge=8, le=10_000)
+    max_read_decoded_nbytes: int = Field(512 << 20, ge=1 << 20)
+    max_read_decoded_nbytes_per_token: int = Field(256 << 20, ge=1 << 20)
     budget_nbytes: int = Field(0, ge=0)
     map_nbytes: int = Field(1 << 30, ge=1 << 20)
     max_map_nbytes: int = Field(1 << 40, ge=1 << 20)

@@ -9,7 +9,8 @@ from fastapi import APIRouter, Query
 
 from api.auth import Principal, PrincipalDep
 from api.deps import StoreDep
-from api.schemas import BlockList, CommitBlocks, CommitOut, KeyList, Presence
+from api.errors import BODY, QUERY, documented
+from api.schemas import NAMESPACE_PATTERN, BlockList, CommitBlocks, CommitOut, KeyList, Presence
 from kvstore.errors import NotFound
 from kvstore.ids import ChainKey
 from kvstore.store import Store
@@ -18,7 +19,7 @@ from kvstore.wire import block_from_json, block_to_json
 router = APIRouter(prefix="/v1/blocks", tags=["blocks"])
 
 
-@router.post("/commit", response_model=CommitOut)
+@router.post("/commit", response_model=CommitOut, responses=documented(*BODY, 403, 409, 507))
 def commit_blocks(body: CommitBlocks, store: StoreDep,
                   principal: PrincipalDep) -> dict:
     """Atomically add block records, parents before children (409 missing_references
@@ -35,7 +36,7 @@ def _visible(store: Store, principal: Principal, keys: list[ChainKey]) -> list:
     return [r if r is not None and principal.may_access(r.namespace) else None for r in records]
 
 
-@router.post("/get", response_model=BlockList)
+@router.post("/get", response_model=BlockList, responses=documented(*BODY, 404))
 def get_blocks(body: KeyList, store: StoreDep,
                principal: PrincipalDep) -> dict:
     keys = [ChainKey.parse(k) for k in body.keys]
@@ -46,7 +47,7 @@ def get_blocks(body: KeyList, store: StoreDep,
     return {"blocks": [block_to_json(r) for r in records]}
 
 
-@router.post("/has", response_model=Presence)
+@router.post("/has", response_model=Presence, responses=documented(*BODY))
 def has_blocks(body: KeyList, store: StoreDep,
                principal: PrincipalDep) -> Presence:
     """Present: the record is visible and every page it names is stored (not missing,
@@ -57,9 +58,9 @@ def has_blocks(body: KeyList, store: StoreDep,
                              zip(_visible(store, principal, keys), complete, strict=True)])
 
 
-@router.get("", response_model=BlockList)
+@router.get("", response_model=BlockList, responses=documented(*QUERY, 403))
 def list_blocks(store: StoreDep, principal: PrincipalDep,
-                namespace: Annotated[str | None, Query(max_length=64)] = None,
+                namespace: Annotated[str | None, Query(pattern=NAMESPACE_PATTERN, max_length=64)] = None,
                 after: Annotated[str | None, Query(pattern="^[0-9a-f]{64}$")] = None,
                 limit: Annotated[int, Query(ge=1, le=10_000)] = 1000) -> dict:
     """Block records in chain-key order, one page of at most `limit` after the key

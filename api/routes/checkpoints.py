@@ -9,12 +9,14 @@ from fastapi import APIRouter, Path, Query
 
 from api.auth import AdminDep, PrincipalDep
 from api.deps import StoreDep
+from api.errors import BODY, QUERY, documented
 from api.schemas import (
     NAME_PATTERN,
     NAMESPACE_PATTERN,
     CheckpointCreate,
     CheckpointList,
     CheckpointOut,
+    check_metadata,
 )
 from kvstore.wire import checkpoint_from_json, checkpoint_to_json
 
@@ -24,17 +26,21 @@ NamePath = Annotated[str, Path(pattern=NAME_PATTERN, max_length=128)]
 NamespaceQuery = Annotated[str | None, Query(pattern=NAMESPACE_PATTERN, max_length=64)]
 
 
-@router.post("", response_model=CheckpointOut, status_code=201)
+@router.post("", response_model=CheckpointOut, status_code=201,
+             responses=documented(*BODY, 403, 409, 507))
 def create_checkpoint(body: CheckpointCreate, store: StoreDep,
                       principal: PrincipalDep) -> dict:
     """Atomically store a named checkpoint over committed blocks (409 already_exists
-    unless `replace`; 409 missing_references when a block or attachment is absent)."""
+    unless `replace`; 409 missing_references when a block or attachment is absent, or
+    belongs to another namespace: the two read alike). Metadata past its limits is a 400
+    and nothing is stored."""
     principal.require_namespace(body.namespace)
+    check_metadata(body.metadata)
     record = checkpoint_from_json(body.model_dump(exclude={"replace"}))
     return checkpoint_to_json(store.create_checkpoint(record, replace=body.replace))
 
 
-@router.get("", response_model=CheckpointList)
+@router.get("", response_model=CheckpointList, responses=documented(*QUERY, 403))
 def list_checkpoints(store: StoreDep,
                      principal: PrincipalDep, namespace: NamespaceQuery = None) -> dict:
     """Checkpoints of one namespace (the token's own when none is named; every
@@ -43,7 +49,8 @@ def list_checkpoints(store: StoreDep,
     return {"checkpoints": [checkpoint_to_json(c) for c in store.list_checkpoints(scope)]}
 
 
-@router.get("/{namespace}/{name}", response_model=CheckpointOut)
+@router.get("/{namespace}/{name}", response_model=CheckpointOut,
+            responses=documented(*QUERY, 403, 404))
 def get_checkpoint(namespace: NamespacePath, name: NamePath,
                    store: StoreDep,
                    principal: PrincipalDep) -> dict:
@@ -51,7 +58,8 @@ def get_checkpoint(namespace: NamespacePath, name: NamePath,
     return checkpoint_to_json(store.get_checkpoint(namespace, name))
 
 
-@router.delete("/{namespace}/{name}", status_code=204)
+@router.delete("/{namespace}/{name}", status_code=204,
+               responses=documented(*QUERY, 403, 404, 507))
 def delete_checkpoint(namespace: NamespacePath, name: NamePath,
                       store: StoreDep,
                       principal: AdminDep) -> None:

@@ -8,8 +8,9 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Request
 from starlette.concurrency import run_in_threadpool
 
+from api.auth import PrincipalDep
 from api.deps import SettingsDep, StoreDep
-from api.errors import ApiError, PayloadTooLarge
+from api.errors import BODY, ApiError, PayloadTooLarge, documented
 from api.limits import batch_upload_limit, read_page_body
 from api.schemas import HEX64_PATTERN, DigestList, MissingPages, PagePut, PageSizes, PutPages
 from api.settings import Settings
@@ -30,42 +31,45 @@ def _parse(digests: list[str], settings: Settings) -> list[PageDigest]:
     return [PageDigest.parse(d) for d in digests]
 
 
-@router.post("/missing", response_model=MissingPages)
+@router.post("/missing", response_model=MissingPages, responses=documented(*BODY, 507))
 def missing(body: DigestList, store: StoreDep,
             settings: SettingsDep) -> MissingPages:
     """The digests the store does not hold, in request order. Upload only those."""
     return MissingPages(missing=[d.hex() for d in store.missing(_parse(body.digests, settings))])
 
 
-@router.post("/nbytes", response_model=PageSizes)
+@router.post("/nbytes", response_model=PageSizes, responses=documented(*BODY, 404))
 def page_nbytes(body: DigestList, store: StoreDep,
                 settings: SettingsDep) -> PageSizes:
     """Raw length of each page; 404 when one is absent."""
     return PageSizes(nbytes=store.page_nbytes(_parse(body.digests, settings)))
 
 
-@router.put("/{digest}", response_model=PagePut, openapi_extra={"requestBody": {
+@router.put("/{digest}", response_model=PagePut, responses=documented(*BODY, 415, 507),
+            openapi_extra={"requestBody": {
     "required": True, "content": {OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}}}})
 async def put_page(request: Request, digest: DigestPath, store: StoreDep,
-                   settings: SettingsDep) -> PagePut:
+                   settings: SettingsDep, principal: PrincipalDep) -> PagePut:
     """Store one page. The body is its raw bytes (optionally `Content-Encoding: zstd`);
     the server recomputes blake3 and refuses a mismatch with 422. Idempotent."""
     media = request.headers.get("content-type", OCTET_STREAM).split(";")[0].strip().lower()
     if media != OCTET_STREAM:
         raise ApiError(415, "unsupported_media_type", f"send pages as {OCTET_STREAM}, not {media!r}")
     claimed = PageDigest.parse(digest)
-    async with request.app.state.upload_slots:  # bounds the upload buffers in memory
+    async with request.app.state.upload_slots.hold(principal):  # bounds upload buffers
         data = await read_page_body(request, settings.max_page_nbytes)
         result = await run_in_threadpool(store.put_pages, [(claimed, data)])
         del data
     return PagePut(digest=digest, new=result.new == 1, stored_nbytes=result.stored_nbytes)
 
 
-@router.post("/put", response_model=PutPages, openapi_extra={"requestBody": {
+@router.post("/put", response_model=PutPages, responses=documented(*BODY, 415, 507),
+             openapi_extra={"requestBody": {
     "required": True,
     "content": {media: {"schema": {"type": "string", "format": "binary"}}
                 for media in (PAGE_STREAM_MEDIA_TYPE, OCTET_STREAM)}}})
-async def put_pages(request: Request, store: StoreDep, settings: SettingsDep) -> PutPages:
+async def put_pages(request: Request, store: StoreDep, settings: SettingsDep,
+                    principal: PrincipalDep) -> PutPages:
     """Store a batch of pages sent as one page stream (the framing of a batch read;
     optionally `Content-Encoding: zstd`), at most max_page_nbytes of page bytes. All or
     nothing: one digest mismatch (422) stores none of them. Idempotent."""
@@ -74,7 +78,7 @@ async def put_pages(request: Request, store: StoreDep, settings: SettingsDep) ->
         raise ApiError(415, "unsupported_media_type",
                        f"send a batch as {PAGE_STREAM_MEDIA_TYPE}, not {media!r}")
     limit = batch_upload_limit(settings.max_page_nbytes, settings.max_batch_pages)
-    async with request.app.state.upload_slots:
+    async with request.app.state.upload_slots.hold(principal):
         data = await read_page_body(request, limit)
         pages = parse_stream(data, settings.max_batch_pages)
         if sum(len(v) for _, v in pages) > settings.max_page_nbytes:
@@ -84,36 +88,49 @@ async def put_pages(request: Request, store: StoreDep, settings: SettingsDep) ->
     return PutPages(new=result.new, existing=result.existing, stored_nbytes=result.stored_nbytes)
 
 
-@router.post("/get", response_class=PageStreamResponse, status_code=200, responses={200: {
+@router.post("/get", response_class=PageStreamResponse, status_code=200, responses={
+    **documented(*BODY, 404, 503), 200: {
     "description": "the page stream (docs/api.md, kvstore/wire.py)",
     "content": {PAGE_STREAM_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}})
 async def get_pages(request: Request, body: DigestList, store: StoreDep,
-                    settings: SettingsDep) -> PageStreamResponse:
+                    settings: SettingsDep, principal: PrincipalDep) -> PageStreamResponse:
     """Read pages as one binary stream. Every page is verified before the first byte
-    is sent, so any failure (404, integrity 500) is a JSON error, never a cut stream."""
+    is sent, so any failure (404, integrity 500) is a JSON error, never a cut stream.
+    The bytes decoded for zstd pages count against the caller's and the server's
+    decode budgets (api/budget.py): 413 past the caller's share, 503 busy when full."""
     digests = _parse(body.digests, settings)
-
+    sizes = await run_in_threadpool(store.page_nbytes, digests)
+    if sum(sizes) > settings.max_batch_nbytes:
+        raise PayloadTooLarge(f"{sum(sizes)} bytes of pages in one read; the limit is "
+                              f"{settings.max_batch_nbytes}. Split the request")
     opened = {}
 
-    def open_batch():  # one threadpool hop: sizes, the limit, then verify everything
-        sizes = store.page_nbytes(digests)
-        if sum(sizes) > settings.max_batch_nbytes:
-            raise PayloadTooLarge(f"{sum(sizes)} bytes of pages in one read; the limit is "
-                                  f"{settings.max_batch_nbytes}. Split the request")
+    def open_batch():  # one threadpool hop: verify (and decode) everything
         context = store.get_pages(digests)
         views = context.__enter__()
         opened["context"] = context  # from here on, someone must exit it
-        return sizes, context, views
+        return context, views
 
-    # A slot bounds the zstd pages decoded in memory (up to max_batch_nbytes per read);
-    # the response releases it with the read transaction.
-    slots = request.app.state.read_slots
-    await slots.acquire()
+    # A slot bounds the reads holding a transaction; the budget bounds what they
+    # decode. The response releases both with the read transaction.
+    slots, budget = request.app.state.read_slots, request.app.state.decode_budget
+    grant = await budget.acquire(principal, sum(sizes))
     try:
-        sizes, context, views = await run_in_threadpool(open_batch)
+        await slots.acquire()
+    except BaseException:
+        budget.release(grant)
+        raise
+
+    def release():
+        budget.release(grant)
+        slots.release()
+    try:
+        context, views = await run_in_threadpool(open_batch)
+        # zero-copy views of the map cost nothing; decoded copies stay reserved
+        budget.shrink(grant, sum(len(v) for v in views if not isinstance(v, memoryview)))
     except BaseException:  # also a cancellation that lands after the thread finished
         if "context" in opened:
             opened["context"].__exit__(None, None, None)
-        slots.release()
+        release()
         raise
-    return PageStreamResponse(digests, views, context, stream_nbytes(sizes), slots.release)
+    return PageStreamResponse(digests, views, context, stream_nbytes(sizes), release)

@@ -9,13 +9,14 @@ from fastapi.responses import JSONResponse
 
 from api.auth import PrincipalDep
 from api.deps import StoreDep
+from api.errors import BODY, documented
 from api.schemas import PrefixLookup, PrefixMatchOut
 from kvstore.wire import block_to_json
 
 router = APIRouter(prefix="/v1/prefix", tags=["prefix"])
 
 
-@router.post("/lookup", response_model=PrefixMatchOut)
+@router.post("/lookup", response_model=PrefixMatchOut, responses=documented(*BODY, 403))
 def lookup_prefix(body: PrefixLookup, store: StoreDep,
                   principal: PrincipalDep) -> JSONResponse:
     namespace = principal.require_namespace(body.namespace)
