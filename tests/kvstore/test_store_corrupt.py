@@ -196,7 +196,7 @@ def test_kvstore_serve_refuses_a_damaged_store_in_one_line(tmp_path):
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(repo), "KVSTORE_PORT": "1"}  # never bound
     proc = subprocess.run([sys.executable, "-m", "tools.cli", "serve", "--data-dir", str(path)],
-                          cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == EXIT_INCOMPATIBLE, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "blocks" in proc.stderr, proc.stderr
     assert _files(path) == before
