@@ -40,9 +40,13 @@ class ModelFingerprint:
 
     @property
     def default_namespace(self) -> str:
-        """A store namespace named after the model (1-64 of [A-Za-z0-9_.-])."""
-        cleaned = _NAMESPACE_BAD.sub("-", self.name).strip(".-") or "model"
-        return cleaned[-64:].lstrip(".-") or "model"
+        return default_namespace(self.name)
+
+
+def default_namespace(name: str) -> str:
+    """A store namespace named after the model (1-64 of [A-Za-z0-9_.-])."""
+    cleaned = _NAMESPACE_BAD.sub("-", name).strip(".-") or "model"
+    return cleaned[-64:].lstrip(".-") or "model"
 
 
 def _digest_files(paths: list[Path]) -> str:

@@ -101,6 +101,18 @@ class StoreConnection:
     publish_store: object
     describe: str
 
+    def probe(self, namespace: str) -> str | None:
+        """A lookup in `namespace` under no format (matches nothing): None when the store
+        answered, else why not. Raises what the store raises for a refused token (a
+        configuration error, unlike a store that is down)."""
+        try:
+            self.lookup_store.lookup_prefix(bytes(32), namespace, [0])
+        except PermissionError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - down or slow: serve from L1 meanwhile
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
     def close(self) -> None:
         for store in {id(s): s for s in (self.lookup_store, self.publish_store)}.values():
             store.close()
@@ -221,6 +233,9 @@ def serve(argv: list[str], connection: StoreConnection, settings: ServingSetting
         finally:
             resolver.close(drain_timeout_s)
 
+    # httpx logs every store request at INFO, which mlx-lm's --log-level INFO would print;
+    # the per-request line of engine/serving/prompt_cache.py says what matters
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger("httpx").level))
     saved_argv = sys.argv
     server.run = run
     sys.argv = ["mlx_lm.server", *argv]

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.server.harness import server_env
+from tests.server.harness import server_env, stock_server
 from tests.server.model_dir import build_model_dir
+from tests.server.requests import REQUESTS, chat
 
 
 @pytest.fixture(scope="session")
@@ -37,3 +38,16 @@ def other_tokenizer_dir(tmp_path_factory):
     """Same weights (seed) and config as model_dir, a tokenizer trained on another corpus
     of the same vocabulary size."""
     return build_model_dir(tmp_path_factory.mktemp("models") / "tiny-llama", tokenizer_seed=1)
+
+
+@pytest.fixture(scope="session")
+def stock_answers(model_dir, env, tmp_path_factory):
+    """What stock mlx_lm.server answers to each of REQUESTS, with its prompt cache off
+    (--prompt-cache-size 0): every answer recomputed from the whole prompt, the
+    reference that a restored answer must equal."""
+    log = tmp_path_factory.mktemp("logs") / "stock.log"
+    with stock_server(model_dir, env, log, "--prompt-cache-size", "0") as stock:
+        answers = {name: chat(stock, msgs) for name, msgs in REQUESTS.items()}
+    assert answers["A"]["ids"] != answers["B"]["ids"], "the fixture model ignores its prompt"
+    assert len(set(answers["A"]["ids"])) > 3, f"greedy output degenerated: {answers['A']}"
+    return answers

@@ -12,79 +12,18 @@ import json
 import shutil
 
 import pytest
-from openai import OpenAI
 
-from tests.server.harness import serve_model, stock_server
-from tests.server.model_dir import text
+from tests.server.harness import serve_model
+from tests.server.requests import (
+    BLOCK,
+    REQUESTS,
+    chat,
+    chat_stream,
+    common_prefix,
+    prompt_ids,
+)
 
-MAX_TOKENS = 24
-BLOCK = 128  # KVPolicy's default block_size_tokens, which serve-model uses here
-SYSTEM = text(250, seed=1)  # ~550 tokens with this tokenizer
-
-
-def messages(user: str) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
-
-
-REQUEST_A = messages("hello world, what is a page store")
-REQUEST_B = messages("one two three four")
-
-
-def client(server) -> OpenAI:
-    return OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def chat(server, msgs) -> dict:
-    """Non-streaming, temperature 0; the answer's token ids come from logprobs."""
-    r = client(server).chat.completions.create(model="default_model", messages=msgs,
-                                                temperature=0, max_tokens=MAX_TOKENS,
-                                                logprobs=True)
-    body = r.model_dump()
-    ids = [entry["id"] for entry in body["choices"][0]["logprobs"]["content"]]
-    details = body["usage"].get("prompt_tokens_details") or {}
-    return {"text": r.choices[0].message.content, "ids": ids,
-            "prompt_tokens": r.usage.prompt_tokens, "cached": details.get("cached_tokens")}
-
-
-def chat_stream(server, msgs) -> dict:
-    stream = client(server).chat.completions.create(
-        model="default_model", messages=msgs, temperature=0, max_tokens=MAX_TOKENS,
-        stream=True, stream_options={"include_usage": True})
-    pieces, usage = [], None
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            pieces.append(chunk.choices[0].delta.content)
-        if chunk.usage is not None:
-            usage = chunk.usage
-    return {"text": "".join(pieces), "prompt_tokens": usage.prompt_tokens,
-            "cached": usage.prompt_tokens_details.cached_tokens}
-
-
-def prompt_ids(model_dir, msgs) -> list[int]:
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    return load_tokenizer(model_dir).apply_chat_template(msgs, add_generation_prompt=True)
-
-
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-@pytest.fixture(scope="module")
-def stock_answers(model_dir, env, tmp_path_factory):
-    """Stock mlx_lm.server with its prompt cache off (--prompt-cache-size 0): every
-    answer recomputed from the whole prompt, the reference a restore must equal."""
-    log = tmp_path_factory.mktemp("logs") / "stock.log"
-    with stock_server(model_dir, env, log, "--prompt-cache-size", "0") as stock:
-        answers = {"A": chat(stock, REQUEST_A), "B": chat(stock, REQUEST_B)}
-    assert answers["A"]["ids"] != answers["B"]["ids"], "the fixture model ignores its prompt"
-    assert len(set(answers["A"]["ids"])) > 3, f"greedy output degenerated: {answers['A']}"
-    return answers
+REQUEST_A, REQUEST_B = REQUESTS["A"], REQUESTS["B"]
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,11 @@ import typer
 from tools.commands.common import (
     EXIT_USAGE,
     TokenOption,
+    escape,
     fail,
     parse_duration,
     parse_size,
+    stderr,
     store_errors,
 )
 
@@ -97,8 +99,15 @@ def serve_model(
     except (ValueError, OSError) as exc:
         fail(f"bad settings: {exc}", EXIT_USAGE)
     argv = ["--model", model, *(["--adapter-path", adapter_path] if adapter_path else []), *ctx.args]
+    from engine.serving.identity import default_namespace
+    from engine.serving.mlx_server import model_name
+
     with store_errors():
         connection = _connection(store_dir, url, token, settings.lookup_timeout_s)
+        trouble = connection.probe(settings.namespace or default_namespace(model_name(model)))
+    if trouble is not None:
+        stderr.print(f"[yellow]warning:[/yellow] the store at {escape(connection.describe)} does "
+                     f"not answer ({escape(trouble)}); serving from L1 until it does")
     try:
         serve(argv, connection, settings, model=model, adapter_path=adapter_path,
               drain_timeout_s=parse_duration(drain_timeout))
