@@ -29,7 +29,9 @@ raises before the first write (ExportFileError, IncompatibleFormat, UnsupportedV
 
 mlx-lm file: what mlx_lm.models.cache.save_prompt_cache writes (per full layer a
 KVCache for native pages or a QuantizedKVCache for mlx-qB pages, byte for byte; the
-attachment cache for other layers). kXvY pages are neither: converting them would be
+attachment cache for other layers), with string metadata kvstore_format_id,
+kvstore_checkpoint, kvstore_num_tokens and kvstore_metadata (the checkpoint's user
+metadata as canonical JSON). kXvY pages are neither: converting them would be
 a lossy decode, so they are refused with IncompatibleFormat.
 """
 
@@ -121,6 +123,22 @@ def export_checkpoint(store, ckpt: Checkpoint, path: Path, progress: Progress = 
                         progress(len(view))
     return ExportResult(str(path), 8 + len(raw) + offset, len(pages), len(records), len(ckpt.tokens),
                         identity.format_id_hex)
+
+
+def _as_mlx_lm_class(cache):
+    """The cache as an instance of mlx-lm's own class, state unchanged. The file names
+    each cache's class and load_prompt_cache looks that name up in mlx-lm's module, so
+    an engine subclass (engine/stock.py's TrackedKVCache, which only records a later
+    conversion) would make the file unreadable there."""
+    import mlx_lm.models.cache as mlx_cache
+
+    cls = type(cache)
+    base = next(b for b in cls.__mro__ if getattr(mlx_cache, b.__name__, None) is b)
+    if base is cls:
+        return cache
+    plain = base.__new__(base)
+    plain.__dict__.update(vars(cache))  # the same arrays and settings, no copy
+    return plain
 
 
 def _batches(digests: list, sizes: list[int], max_nbytes: int):
@@ -348,8 +366,11 @@ def export_mlx_lm(store, ckpt: Checkpoint, path: Path, progress: Progress = None
     path = Path(path)
     if path.suffix != ".safetensors":
         raise ValueError("an mlx-lm prompt cache file name must end in .safetensors")
+    # mlx-lm metadata are strings: the checkpoint's user metadata go as canonical JSON
+    caches = [_as_mlx_lm_class(c) for c in caches]
     save_prompt_cache(str(path), caches, metadata={
         "kvstore_format_id": identity.format_id_hex, "kvstore_checkpoint": f"{ckpt.namespace}/{ckpt.name}",
-        "kvstore_num_tokens": str(len(ckpt.tokens))})
+        "kvstore_num_tokens": str(len(ckpt.tokens)),
+        "kvstore_metadata": json.dumps(dict(ckpt.metadata), sort_keys=True, separators=(",", ":"))})
     return {"path": str(path), "nbytes": path.stat().st_size, "layers": len(caches),
             "tokens": len(ckpt.tokens), "format_id": identity.format_id_hex}

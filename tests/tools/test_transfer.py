@@ -43,7 +43,8 @@ def test_round_trip_is_byte_identical(source, tmp_path):
     dst = tmp_path / "other"
     ran = run("import", first, "--json", "-d", dst)
     assert ran.code == EXIT_OK, ran.stderr
-    assert ran.json()["new_pages"] == ran.json()["pages"] == 18
+    distinct = {bytes(d) for r in saved["system-prompt"].records for d in r.pages}
+    assert ran.json()["new_pages"] == ran.json()["pages"] == len(distinct)
     second = tmp_path / "again.safetensors"
     assert run("export", "system-prompt", second, "-d", dst).code == EXIT_OK
     assert first.read_bytes() == second.read_bytes()
@@ -274,3 +275,45 @@ def test_mlx_lm_export_of_a_quantized_kvcache_checkpoint_is_byte_for_byte(tmp_pa
         for x, y in zip((*live.keys, *live.values), (*back.keys, *back.values), strict=True):
             x = x[..., :100, :]  # live arrays are allocated in steps of 256
             assert x.dtype == y.dtype and x.shape == y.shape and mx.array_equal(x, y).item()
+
+
+USER_METADATA = {"owner": "ops", "prompt_version": 3, "tags": ["sys", "ünïcode"],
+                 "nested": {"a": None, "b": 1.5}}
+
+
+def _checkpoint_with_metadata(path: Path, identity, name: str) -> Checkpoint:
+    with Store(path) as store:
+        saved = save_prefix(store, identity, "default", list(range(12)))
+        return store.create_checkpoint(Checkpoint(name, "default", identity.format_id,
+                                                  tuple(range(12)), saved.chain_keys, {},
+                                                  USER_METADATA))
+
+
+def test_export_and_import_keep_the_checkpoints_user_metadata(tmp_path):
+    """Issue 17: the portable file carries the metadata in its manifest, import stores
+    them again, and a second export is byte-identical."""
+    _checkpoint_with_metadata(tmp_path / "a", IDENTITY, "meta")
+    first, second = tmp_path / "first.safetensors", tmp_path / "second.safetensors"
+    assert run("export", "default/meta", first, "-d", tmp_path / "a").code == EXIT_OK
+    assert read_export(first).checkpoint.metadata == USER_METADATA
+    for namespace in (None, "elsewhere"):  # rechained into another namespace too
+        args = ["--namespace", namespace] if namespace else []
+        assert run("import", first, *args, "-d", tmp_path / "b").code == EXIT_OK
+        with Store(tmp_path / "b") as store:
+            assert store.get_checkpoint(namespace or "default", "meta").metadata == USER_METADATA
+    shown = run("show", "default/meta", "--json", "-d", tmp_path / "b").json()
+    assert shown["manifest"]["metadata"] == USER_METADATA
+    assert run("export", "default/meta", second, "-d", tmp_path / "b").code == EXIT_OK
+    assert first.read_bytes() == second.read_bytes()
+
+
+def test_mlx_lm_export_keeps_the_checkpoints_user_metadata(tmp_path):
+    pytest.importorskip("mlx.core")
+    from mlx_lm.models.cache import load_prompt_cache
+
+    native = make_identity(layers=(make_layer(), make_layer(k_head_dim=32)))
+    _checkpoint_with_metadata(tmp_path / "a", native, "meta")
+    out = tmp_path / "meta.safetensors"
+    assert run("export", "default/meta", out, "--mlx-lm", "-d", tmp_path / "a").code == EXIT_OK
+    _, meta = load_prompt_cache(str(out), return_metadata=True)
+    assert json.loads(meta["kvstore_metadata"]) == USER_METADATA
