@@ -22,6 +22,7 @@ import pytest
 
 import kvstore.lmdbenv as lmdbenv
 from kvstore.errors import StoreFull
+from kvstore.ids import page_digest
 from kvstore.store import Store, StoreConfig
 from tests.kvstore.factories import gc_now, make_store, save_prefix
 from tests.kvstore.workers import big_identity, read_log
@@ -125,6 +126,105 @@ def test_disk_full_saves_fail_cleanly_and_deletes_still_work(small_fs):
            gc_pages=collected["pages"], saves_ok_after_freeing=after["ok"],
            saves_full_after_freeing=after["full"])
     assert after["ok"] == 10
+
+
+def _fill(store, rng, outcomes, names, limit: int = 5000) -> None:
+    i = 0
+    while outcomes["full"] < 3:
+        _save(store, rng, i, names, outcomes)
+        i += 1
+        assert i < limit, "the store never filled"
+
+
+def _evict_in_steps(store, step_nbytes: int) -> list:
+    """Evict toward 0 in step_nbytes steps, as an operator freeing space would."""
+    reports, target = [], store.stats().stored_nbytes
+    while target > 0:
+        target = max(0, target - step_nbytes)
+        reports.append(store.evict(target))
+    return reports
+
+
+def test_evict_frees_space_on_a_disk_filled_by_someone_else(small_fs):
+    """The reserve is gone too (another file took the last bytes): evict must still
+    run, in transactions small enough to reuse the pages earlier ones freed (issue 23:
+    it failed with 507 even in 2 MiB steps while delete and GC worked)."""
+    mnt, kind = small_fs
+    rng = random.Random(7)
+    outcomes, names = {"ok": 0, "full": 0}, []
+    with Store(mnt / "store", StoreConfig(map_nbytes=1 << 20, reserve_nbytes=RESERVE_NBYTES)) as store:
+        _fill(store, rng, outcomes, names)
+        for name, _ in names[::2]:  # half the checkpoints go: their blocks become evictable
+            store.delete_checkpoint("ns", name)
+        filler = mnt / "filler"
+        with open(filler, "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * (64 << 10))
+                    f.flush()
+            except OSError:
+                pass
+        free_after_filler = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+        reports = _evict_in_steps(store, 2 << 20)
+        collected = gc_now(store)
+        evicted = sum(r.blocks for r in reports)
+        filler.unlink()
+        after = {"ok": 0, "full": 0}
+        kept = names[1::2]
+        for j in range(5):
+            _save(store, rng, 20_000 + j, kept, after)
+        report = store.check(read_data=True)
+        assert report.ok, report.problems[:5]
+        assert all(restore_exact_big(store, tokens) for _, tokens in kept)
+    metric("disk_full_evict", filesystem=kind, saves_ok=outcomes["ok"], free_kib_after_filler=
+           free_after_filler >> 10, evict_steps=len(reports), evicted_blocks=evicted,
+           gc_pages=collected["pages"], saves_ok_after=after["ok"])
+    assert evicted > 0
+    assert after["ok"] == 5
+
+
+def test_the_map_limit_is_recovered_by_delete_evict_and_gc(tmp_path):
+    """At max_map_nbytes: saves stop while the reserve is still unused inside the map,
+    so deletes, eviction and GC can run, and saves succeed again without raising the
+    limit (issue 23: evict failed too, and 0 of 5 saves succeeded). The 507 a client
+    sees names no server path."""
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from api.settings import Settings
+    from kvstore.client import RemoteStore
+    rng = random.Random(8)
+    outcomes, names = {"ok": 0, "full": 0}, []
+    config = StoreConfig(map_nbytes=1 << 20, max_map_nbytes=8 << 20, reserve_nbytes=RESERVE_NBYTES)
+    with Store(tmp_path / "store", config) as store:
+        _fill(store, rng, outcomes, names)
+        full = store.stats()
+        app = create_app(store=store, settings=Settings(data_dir=store.path))
+        with TestClient(app) as client:
+            page = rng.randbytes(64 << 10)
+            r = client.put(f"/v1/pages/{page_digest(page).hex()}", content=page,
+                           headers={"Content-Type": "application/octet-stream"})
+            assert r.status_code == 507 and r.json()["code"] == "store_full", r.text
+            assert str(tmp_path) not in r.text and "/store" not in r.text, r.text
+            remote = RemoteStore("http://testserver", client=client)
+            # an operator's order: evict what is unpinned (2 MiB at a time), then unpin
+            # half the checkpoints, evict and collect again
+            stepped = _evict_in_steps(remote, 2 << 20)
+            for name, _ in names[::2]:
+                remote.delete_checkpoint("ns", name)
+            evicted = remote.evict(0)
+            collected = remote.plan_gc(0.0).execute()
+            after = {"ok": 0, "full": 0}
+            for j in range(5):
+                _save(remote, rng, 30_000 + j, [], after)
+        assert store.check(read_data=True).ok
+    metric("map_limit_recovery", map_limit_mib=8, reserve_mib=RESERVE_NBYTES >> 20,
+           evicted_in_steps=sum(r.blocks for r in stepped),
+           saves_ok=outcomes["ok"], saves_refused=outcomes["full"],
+           file_mib_when_full=round(full.file_nbytes / 2**20, 1), evicted_blocks=evicted.blocks,
+           gc_pages=collected["pages"], saves_ok_after=after["ok"], limit_raised=0)
+    assert evicted.blocks > 0
+    assert after["ok"] == 5
 
 
 def test_service_recovers_from_a_full_disk_without_restart(small_fs, tmp_path):
