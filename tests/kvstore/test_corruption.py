@@ -28,7 +28,23 @@ from tests.kvstore.factories import (
     stored_value,
 )
 
-TOKENS = list(range(100, 113))  # three full blocks and a partial tail
+
+
+def _tokens_with_both_codecs(n: int = 13) -> list[int]:
+    """n tokens (three full blocks and a partial tail) whose pages include an all-zero
+    one (stored zstd) and a random one (stored raw). Page bytes follow from the chain
+    keys, so from the format id: found by search, not hard-coded to one identity."""
+    identity = make_identity()
+    for start in range(100, 100_000, n):
+        tokens = list(range(start, start + n))
+        _, payload = plan_prefix(identity, "ns", tokens)
+        zeros = sum(1 for data in payload.values() if not any(data))
+        if 0 < zeros < len(payload):
+            return tokens
+    raise AssertionError("no prefix with both a zero page and a random page")
+
+
+TOKENS = _tokens_with_both_codecs()
 
 
 def _page(store, saved, codec=CODEC_RAW):
