@@ -2,8 +2,10 @@
 
 Rules: save prefixes that share blocks (tokens from a 3-symbol alphabet, 4-token
 blocks, two namespaces), restore them, upload pages without committing them, create
-and delete checkpoints, GC with grace 0, evict to a fraction of the stored bytes, and
-close and reopen the Store (with a tiny initial map, so growth runs too).
+and delete checkpoints, GC with grace 0, evict to a fraction of the stored bytes,
+close and reopen the Store (with a tiny initial map, so growth runs too), and damage a
+stored page on disk, then publish and restore again (IntegrityError once, a shorter
+prefix while quarantined, whole again after the re-publish).
 
 The model is `blocks`: chain key -> the record the store must hold, plus the
 checkpoints and the loose (uploaded, never committed) pages. After every step:
@@ -29,17 +31,22 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvstore.errors import MissingReferences, NotFound
+import pytest
+
+from kvstore.errors import IntegrityError, MissingReferences, NotFound
 from kvstore.ids import ROOT_KEY, chain_key, page_digest
+from kvstore.pages import HEADER_NBYTES
 from kvstore.records import Checkpoint
 from tests.kvstore.factories import (
     expected_pages,
+    flip_bit,
     gc_now,
     make_identity,
     make_store,
     plan_prefix,
     restore_prefix,
     save_prefix,
+    stored_value,
 )
 
 IDENTITY = make_identity()
@@ -138,6 +145,45 @@ class StoreMachine(RuleBasedStateMachine):
         self.blocks = {k: r for k, r in self.blocks.items() if present[k]}
         # pages of evicted blocks may be gone now; loose pages were never evictable
         self.loose = {d: v for d, v in self.loose.items() if self.store.missing([d]) == []}
+
+    @rule(prompt=saved, data=st.data())
+    def damage_then_publish_and_restore_again(self, prompt, data):
+        """Flip one bit of a stored page on disk (the Store closed), then: the restore
+        that reads it raises IntegrityError once and quarantines it; the next restore
+        stops before the first block naming it and is counted as stopped; publishing
+        the prompt again re-sends the page; the restore then equals the model again."""
+        ns, tokens = prompt
+        keys = self._model_match(ns, tokens)
+        if not keys:
+            return  # its blocks were evicted: nothing stored to damage
+        block = self.blocks[data.draw(st.sampled_from(keys), label="block")]
+        victim = data.draw(st.sampled_from(block.pages), label="page")
+        value = stored_value(self.store, victim)
+        self.store.close()
+        bit = 8 * (HEADER_NBYTES + (len(value) - HEADER_NBYTES) // 2) + 3  # in the body
+        flip_bit(self.dir, value, bit)
+        self.store = make_store(self.dir)
+        stopped = self.store.stats().lookups_stopped_at_damage
+
+        with pytest.raises(IntegrityError) as info:
+            restore_prefix(self.store, IDENTITY, ns, tokens)
+        assert info.value.digest == victim.hex()
+        cut = next(i for i, k in enumerate(keys) if victim in self.blocks[k].pages)
+        for _ in range(2):  # never raised again: the prefix ends before the damage
+            _, records = restore_prefix(self.store, IDENTITY, ns, tokens)
+            assert [r.key for r in records] == keys[:cut]
+        stats = self.store.stats()
+        assert stats.lookups_stopped_at_damage == stopped + 2
+        assert stats.quarantined_count == 1
+        problems = [(p.kind, p.object) for p in self.store.check().problems]
+        assert problems == [("page_quarantined", victim.hex())]
+        assert self.store.has_blocks([block.key]) == [False]
+
+        save_prefix(self.store, IDENTITY, ns, tokens)  # publish again: heals the page
+        assert self.store.has_blocks([block.key]) == [True]
+        _, records = restore_prefix(self.store, IDENTITY, ns, tokens)
+        assert [r.key for r in records] == keys
+        assert self.store.stats().quarantined_count == 0
 
     @rule()
     def reopen(self):
