@@ -27,8 +27,19 @@ Capabilities are attributes of the protocol, never guessed from the method set
 Semantics every implementation keeps (the conformance test in
 tests/kvstore/test_protocol.py checks the method set and signatures of all three):
 
+  has_blocks(keys)  one bool per key: True only when the block's record is stored AND
+                    every page it names is present (not missing, not quarantined). A
+                    presence check: no page is copied or hashed. A block that answers
+                    False is published again (its pages re-sent); commit_blocks of a
+                    record that exists only touches it.
+  find_blocks(keys) the stored record or None per key: record presence alone.
+  lookup_prefix     stops before the first block that names a missing or quarantined
+                    page: the caller gets the shorter prefix and recomputes the rest;
+                    stats count such a lookup in lookups_stopped_at_damage.
   get_pages         verifies every page; a damaged page is quarantined and raises
-                    IntegrityError once, at that read.
+                    IntegrityError once, at that read (a restore never reads it again:
+                    lookup_prefix stops before it; an explicit get_pages of that digest
+                    still refuses it).
 """
 
 from __future__ import annotations
@@ -56,6 +67,8 @@ class PageReader(Protocol):
                       max_tokens: int | None = None): ...
 
     def has_blocks(self, keys: Sequence) -> list[bool]: ...
+
+    def find_blocks(self, keys: Sequence) -> list[BlockRecord | None]: ...
 
     def get_blocks(self, keys: Sequence) -> list[BlockRecord]: ...
 
