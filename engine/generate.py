@@ -1,4 +1,5 @@
-"""generate_with_store: restore, prefill the rest, generate, publish, report.
+"""generate_with_store(engine_model, tokenizer, prompt, store): restore, prefill the
+rest, generate max_new_tokens, publish the prompt, report.
 
 A thin layer over mlx-lm's generate_step: the cache it is handed is the restored one,
 so mlx-lm prefills only the tokens the store did not have. A policy of paged formats
@@ -19,12 +20,12 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from engine.attention import installed
-from engine.formats import page_specs
-from engine.models import model_identity
-from engine.policy import KVPolicy
+from engine.cache import PagedKVCache
+from engine.engine_model import EngineModel
+from engine.errors import InvalidRequest
 from engine.publish import DEFAULT_NAMESPACE, capture, upload
 from engine.rates import ExecutionKey, RateBook
-from engine.restore import restore
+from engine.restore import RestoreRequest, empty_cache, restore
 
 DEFAULT_RATES = RateBook()
 
@@ -49,23 +50,26 @@ def _device() -> str:
     return str(mx.default_device())
 
 
-def generate_with_store(model, tokenizer, prompt: str | Sequence[int], store, *, model_id: str,
-                        policy: KVPolicy | None = None, namespace: str = DEFAULT_NAMESPACE,
-                        max_tokens: int = 64, sampler=None, publisher=None,
-                        publish_prompt: bool = True, rates: RateBook | None = None,
-                        pools: list | None = None) -> GenerationReport:
-    """Generate from `prompt` (text, or token ids) reusing the store's longest prefix.
+def generate_with_store(engine_model: EngineModel, tokenizer, prompt: str | Sequence[int],
+                        store, *, namespace: str = DEFAULT_NAMESPACE,
+                        max_new_tokens: int = 64, sampler=None, publisher=None,
+                        publish_prompt: bool = True,
+                        rates: RateBook | None = None) -> GenerationReport:
+    """Generate max_new_tokens tokens from `prompt` (text, or token ids) reusing the
+    store's longest prefix. Restores once: when the rates say recomputing is faster, the
+    restored caches are freed and fresh ones are prefilled instead.
 
     The caches follow the policy's page format: PagedKVCache for paged formats, mlx-lm's
     QuantizedKVCache for mlx-qB (bits and group size from the policy)."""
-    policy = policy or KVPolicy()
+    if engine_model.admission is not None:
+        raise InvalidRequest("generate_with_store does not wait for admission: restore with "
+                             "the engine model and generate under its grant instead")
     rates = rates or DEFAULT_RATES
+    model, identity = engine_model.model, engine_model.identity
     tokens = list(prompt) if not isinstance(prompt, str) else list(tokenizer.encode(prompt))
     if not tokens:
         raise ValueError("the prompt has no tokens")
-    identity = model_identity(model, policy, model_id=model_id)
-    specs = [s for s in page_specs(identity) if s is not None]
-    cache_kind = "quantized" if any(s.format.mlx_affine for s in specs) else "paged"
+    cache_kind = "paged" if engine_model.paged else "quantized"
     page_format = identity.layers[identity.paged_layers[0]].page_format if identity.paged_layers else "none"
     compute_key = ExecutionKey(identity.model_fingerprint, page_format, "engine", _device())
     restore_key = ExecutionKey(identity.model_fingerprint, page_format, "restore",
@@ -73,20 +77,17 @@ def generate_with_store(model, tokenizer, prompt: str | Sequence[int], store, *,
 
     with installed(model):
         t0 = time.perf_counter()
-        restored = restore(model, tokens, store, model_id=model_id, policy=policy,
-                           namespace=namespace, pools=pools, cache_kind=cache_kind)
+        restored = restore(engine_model, store, RestoreRequest(
+            tokens, max_new_tokens=max_new_tokens, cache_kind=cache_kind, namespace=namespace))
         restore_s = time.perf_counter() - t0
         decision = rates.decide_restore(compute_key, restore_key, restored.tokens_restored,
                                         restored.bytes_read)
         cache, n = restored.cache, restored.tokens_restored
         if n and not decision.restore:
             for c in cache:
-                if hasattr(c, "free"):
+                if isinstance(c, PagedKVCache):
                     c.free()
-            restored = restore(model, tokens, store, model_id=model_id, policy=policy,
-                               namespace=namespace, pools=pools, cache_kind=cache_kind,
-                               max_tokens=0)
-            cache, n = restored.cache, 0
+            cache, n = empty_cache(engine_model, RestoreRequest(tokens, cache_kind=cache_kind)), 0
         elif n:
             rates.record(restore_key, "restore_bytes_per_s", restored.bytes_read, restore_s)
 
@@ -94,7 +95,7 @@ def generate_with_store(model, tokenizer, prompt: str | Sequence[int], store, *,
         t1 = time.perf_counter()
         ttft = prefill_s = 0.0
         for i, (token, _) in enumerate(generate_step(mx.array(tokens[n:]), model,
-                                                     prompt_cache=cache, max_tokens=max_tokens,
+                                                     prompt_cache=cache, max_tokens=max_new_tokens,
                                                      sampler=sampler)):
             if i == 0:
                 prefill_s = time.perf_counter() - t1
@@ -119,6 +120,6 @@ def generate_with_store(model, tokenizer, prompt: str | Sequence[int], store, *,
 
     prefill_rate = rates.rate(compute_key, "prefill_tokens_per_s")
     saved = (n / prefill_rate.mean - restore_s) if (n and prefill_rate) else None
-    text = tokenizer.decode(out) if tokenizer is not None and hasattr(tokenizer, "decode") else None
+    text = tokenizer.decode(out) if tokenizer is not None else None
     return GenerationReport(out, text, len(tokens), n, computed, restore_s, prefill_s, ttft,
                             decode_s, saved, decision.reason, published)

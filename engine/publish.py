@@ -1,6 +1,6 @@
 """Publish: a cache's pages become store pages under its format identity.
 
-publish(store, identity, tokens, caches) runs in three steps:
+publish(engine_model, store, tokens, caches) runs in three steps:
   capture   (caller's thread, cheap)   copy the pages of every paged layer out of
             the pool or the stock cache into host memory, plus the attachments of
             non-paged layers when a checkpoint is asked for. Later appends, trims or
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -42,7 +42,11 @@ from engine.stock import conversion_offset
 from kvstore.errors import MissingReferences
 from kvstore.format import FormatIdentity
 from kvstore.ids import ROOT_KEY, chain_key, page_digest
+from kvstore.protocol import PageWriter
 from kvstore.records import BlockRecord, Checkpoint
+
+if TYPE_CHECKING:  # engine_model imports nothing from here; restore imports both
+    from engine.engine_model import EngineModel
 
 log = logging.getLogger(__name__)
 DEFAULT_NAMESPACE = "default"
@@ -283,10 +287,12 @@ def _send(store, payload: dict, records: list[BlockRecord]) -> list:
     raise AssertionError("unreachable")
 
 
-def publish(store, identity: FormatIdentity, tokens: Sequence[int], caches: Sequence, *,
-            namespace: str = DEFAULT_NAMESPACE, checkpoint: str | None = None,
-            metadata: dict | None = None) -> PublishResult:
-    """Capture and upload in the caller's thread. For write-behind use
-    WriteBehindPublisher.submit(capture(...))."""
+def publish(engine_model: EngineModel, store: PageWriter, tokens: Sequence[int],
+            caches: Sequence, *, namespace: str = DEFAULT_NAMESPACE,
+            checkpoint: str | None = None, metadata: dict | None = None) -> PublishResult:
+    """Capture and upload in the caller's thread, under the engine model's identity for
+    the caches' conversion history (engine/stock.py). For write-behind use
+    WriteBehindPublisher.submit(capture(engine_model.identity, tokens, caches))."""
+    identity = engine_model.identity_for(conversion_offset(caches))
     cap = capture(identity, tokens, caches, attachments=checkpoint is not None)
     return upload(store, cap, namespace=namespace, checkpoint=checkpoint, metadata=metadata)

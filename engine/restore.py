@@ -1,12 +1,13 @@
 """Restore: the longest stored prefix of a prompt, rebuilt as a model's cache.
 
-restore(model, tokens, store, ...) -> Restored(cache, tokens_restored, ...), which
-unpacks as (cache, tokens_restored).
+restore(engine_model, store, RestoreRequest(tokens, ...)) -> Restored(cache,
+tokens_restored, ...), which unpacks as (cache, tokens_restored).
 
 Order of work, so that "incompatible" and "does not fit" are decided before anything
 is allocated:
-  1. the model's format identity under the KV policy; caller-supplied pools are
-     compared with it field by field (IncompatibleFormat carries the diff);
+  1. the model's format identity under the KV policy (computed once by EngineModel,
+     which also compared any pools it was given with it field by field:
+     IncompatibleFormat carries the diff) and the target cache kind;
   2. the source: for a model whose layers are all full attention, lookup_prefix over
      block records; for a model with sliding-window or recurrent layers, the longest
      checkpoint of the same format whose tokens prefix the prompt (their state is only
@@ -54,17 +55,17 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from engine.admission import AdmissionRequest
+from engine.admission import AdmissionRequest, Decision, Grant
 from engine.attachments import decode_attachment, token_offset
 from engine.cache import PagedKVCache
+from engine.engine_model import EngineModel, check_pools
 from engine.errors import FormatMismatch, InvalidRequest, OffsetMismatch, PoolExhausted
 from engine.formats import PAGED_FORMATS, PageSpec, blocks_from_pages, page_specs
-from engine.models import default_attention_impl, make_cache, make_pools, model_identity
-from engine.policy import KVPolicy
+from engine.models import default_attention_impl
 from engine.publish import DEFAULT_NAMESPACE
-from engine.stock import ConvertedQuantizedKVCache, TrackedKVCache, make_stock_cache
+from engine.stock import ConvertedQuantizedKVCache, TrackedKVCache
 from kvstore.errors import IncompatibleFormat, NotFound
-from kvstore.format import FormatIdentity, LayerSpec, diff
+from kvstore.format import FormatIdentity, diff
 from kvstore.protocol import PageReader
 from kvstore.records import BlockRecord, Checkpoint
 
@@ -83,8 +84,8 @@ class Restored:
     bytes_read: int = 0
     source: str = "none"  # "prefix" | "checkpoint" | "none"
     checkpoint: str | None = None
-    decision: object = None  # with admission: Granted, Deferred or Refused
-    grant: object = None  # with admission, when granted: close() it when done
+    decision: Decision | None = None  # with admission: Granted, Deferred or Refused
+    grant: Grant | None = None  # with admission, when granted: close() it when done
     resident_blocks: int = 0  # leading blocks shared from a ResidentIndex, not read
 
     @property
@@ -94,32 +95,6 @@ class Restored:
     def __iter__(self):
         yield self.cache
         yield self.tokens_restored
-
-
-def check_pools(identity: FormatIdentity, pools: Sequence) -> None:
-    """IncompatibleFormat (with the per-layer field diff) unless every paged layer's pool
-    stores exactly the pages the identity names."""
-    if len(pools) != len(identity.layers):
-        raise IncompatibleFormat("pools do not match the model's format identity",
-                                 [("len(layers)", len(identity.layers), len(pools))])
-    problems = []
-    for index, (layer, pool) in enumerate(zip(identity.layers, pools)):
-        if layer.paged != (pool is not None):
-            problems.append((f"layers[{index}].paged", layer.paged, pool is not None))
-            continue
-        if pool is None:
-            continue
-        theirs = pool.spec.layer_spec()
-        for field_name in LayerSpec.__dataclass_fields__:
-            a, b = getattr(layer, field_name), getattr(theirs, field_name)
-            if a != b:
-                problems.append((f"layers[{index}].{field_name}", a, b))
-        if pool.spec.block_size_tokens != identity.block_size_tokens:
-            problems.append((f"layers[{index}].block_size_tokens", identity.block_size_tokens,
-                             pool.spec.block_size_tokens))
-    if problems:
-        raise IncompatibleFormat("the pools store pages of another format than the model's "
-                                 "identity", problems)
 
 
 def check_target(identity: FormatIdentity, cache_kind: str, group_size: int | None = None,
@@ -221,100 +196,99 @@ def _check_capacity(pools, n_blocks: int) -> None:
                 requested=n_blocks, available=pool.num_available_blocks)
 
 
-def restore(model, tokens: Sequence[int], store, *, model_id: str,
-            policy: KVPolicy | None = None, namespace: str = DEFAULT_NAMESPACE,
-            pools: list | None = None, cache_kind: str = "paged", max_tokens: int | None = None,
-            attention_impl: str | None = "auto", quantized_group_size: int | None = None,
-            quantized_bits: int | None = None, tokenizer_fingerprint: str = "",
-            checkpoint: str | None = None, admission=None, max_new_tokens: int = 0,
-            request_id: str = "", deadline: float | None = None,
-            resident=None, converted_at_token: int = 0) -> Restored:
-    """See the module docstring. checkpoint=NAME restores that checkpoint exactly and
-    raises IncompatibleFormat (with the diff) when it was saved under another format.
+@dataclass(frozen=True)
+class RestoreRequest:
+    """One restore: what to look up and what the caller will do with it.
 
-    admission: an engine.admission.AdmissionController serving `pools` (required with
-    it); the request (len(tokens) prompt tokens, max_new_tokens, deadline) is priced,
-    restore staging included, after the identity check and before any allocation.
+    tokens             the prompt (token ids)
+    max_restore_tokens restore at most this many (default len(tokens) - 1: the model
+                       must still run on one token to produce the next logits)
+    max_new_tokens     tokens the caller will generate after it (admission prices them)
+    cache_kind         "paged", "kvcache" or "quantized" (see the module docstring)
+    checkpoint         restore this named checkpoint exactly (IncompatibleFormat, with
+                       the diff, when it was saved under another format)
+    deadline           absolute, on the admission controller's clock
+    converted_at_token the request's conversion history for mlx-qB pages (0: quantized
+                       from the first token; N: a native cache converted at N,
+                       engine/stock.py); only pages of that history, never below N
+    quantized_group_size, quantized_bits
+                       a "quantized" target's layout for native pages (mlx-lm's
+                       defaults when None); for mlx-qB pages they must agree
+    """
 
-    resident: an engine.resident.ResidentIndex over `pools` (its pools when none are
-    given). Leading blocks it holds are shared from this process's pools instead of
-    read from the store; every restored full block is listed in it afterwards.
+    tokens: Sequence[int]
+    max_restore_tokens: int | None = None
+    max_new_tokens: int = 0
+    cache_kind: str = "paged"
+    checkpoint: str | None = None
+    deadline: float | None = None
+    namespace: str = DEFAULT_NAMESPACE
+    request_id: str = ""
+    converted_at_token: int = 0
+    quantized_group_size: int | None = None
+    quantized_bits: int | None = None
 
-    converted_at_token: the request's conversion history for mlx-qB pages (0: quantized
-    from the first token; N: a native cache converted at N, engine/stock.py). Only
-    pages of the same history are served, and never fewer than N tokens of them."""
-    if cache_kind not in CACHE_KINDS:
-        raise InvalidRequest(f"cache_kind must be one of {CACHE_KINDS}, got {cache_kind!r}")
-    if resident is not None:
-        if cache_kind != "paged" or admission is not None:
-            raise InvalidRequest("resident reuse serves paged caches without admission")
-        pools = resident.pools if pools is None else pools
-        if list(pools) != resident.pools:
-            raise InvalidRequest("the resident index serves other pools than these")
-    policy = policy or KVPolicy()
-    identity = model_identity(model, policy, model_id=model_id,
-                              tokenizer_fingerprint=tokenizer_fingerprint,
-                              converted_at_token=converted_at_token)
-    quantized_group_size, quantized_bits = check_target(identity, cache_kind,
-                                                        quantized_group_size, quantized_bits)
-    if cache_kind == "paged" and pools is not None:
-        check_pools(identity, pools)
-    limit = len(tokens) - 1 if max_tokens is None else min(max_tokens, len(tokens))
-    all_full = all(layer.paged for layer in identity.layers)
+    def __post_init__(self):
+        if self.cache_kind not in CACHE_KINDS:
+            raise InvalidRequest(f"cache_kind must be one of {CACHE_KINDS}, got {self.cache_kind!r}")
+        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
 
-    ckpt, blocks = None, []
-    if checkpoint is not None:
-        ckpt = store.get_checkpoint(namespace, checkpoint)
-        if ckpt.format_id != identity.format_id:
-            try:
-                theirs = store.get_format(ckpt.format_id)
-            except NotFound:
-                theirs = None
-            raise IncompatibleFormat(
-                f"checkpoint {namespace}/{checkpoint} was saved under another format",
-                diff(identity, theirs) if theirs is not None else
-                [("format_id", identity.format_id_hex, ckpt.format_id.hex())])
-        if tuple(tokens[: len(ckpt.tokens)]) != tuple(ckpt.tokens):
-            raise InvalidRequest(f"checkpoint {namespace}/{checkpoint} is not a prefix of the prompt")
-        ckpt, blocks = _usable_part(store, ckpt)
-    elif limit > 0 and all_full:
-        blocks = list(store.lookup_prefix(identity.format_id, namespace, tokens,
-                                          max_tokens=limit).blocks)
-    elif limit > 0:
-        ckpt = find_checkpoint(store, identity, namespace, tokens, limit)
-        if ckpt is not None:
-            blocks = store.get_blocks(ckpt.chain_keys)
-    if blocks and sum(len(b.tokens) for b in blocks) < identity.converted_at_token:
-        ckpt, blocks = None, []  # below the conversion: no computation of this history had it
+    @property
+    def limit(self) -> int:
+        """The most tokens this request lets a restore provide."""
+        if self.max_restore_tokens is None:
+            return len(self.tokens) - 1
+        return min(self.max_restore_tokens, len(self.tokens))
 
+
+@dataclass(frozen=True)
+class _Plan:
+    """What restore decided before allocating anything: the identity to read under, the
+    target layout and the source (blocks, and the checkpoint they come from, if any)."""
+
+    identity: FormatIdentity
+    cache_kind: str
+    group_size: int
+    bits: int
+    blocks: list[BlockRecord]
+    checkpoint: Checkpoint | None
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(b.tokens) for b in self.blocks)
+
+
+def restore(engine_model: EngineModel, store: PageReader, request: RestoreRequest) -> Restored:
+    """See the module docstring. With the engine model's admission controller, the
+    request (its prompt, max_new_tokens and deadline) is priced, restore staging
+    included, after the identity check and before any allocation; a Deferred or
+    Refused decision comes back with no cache. With its resident index, leading blocks
+    it holds are shared from this process's pools instead of read from the store, and
+    every restored full block is listed in it afterwards."""
+    kind = request.cache_kind
+    if kind != "paged" and (engine_model.resident is not None or engine_model.admission is not None):
+        raise InvalidRequest("admission and resident reuse serve paged caches only: "
+                             f"this engine model cannot restore into {kind!r} caches")
+    identity = engine_model.identity_for(request.converted_at_token)
+    group_size, bits = check_target(identity, kind, request.quantized_group_size,
+                                    request.quantized_bits)
+    ckpt, blocks = _source(store, identity, request)
+    plan = _Plan(identity, kind, group_size, bits, blocks, ckpt)
     grant, decision = None, None
-    if admission is not None:
-        if cache_kind != "paged" or pools is None:
-            raise InvalidRequest("admission prices paged caches: pass the pools it serves")
-        profile = admission.profile(model, pools, model_fingerprint=identity.model_fingerprint,
-                                    attention_impl=attention_impl)
-        decision = admission.admit(profile, AdmissionRequest(
-            request_id, len(tokens), max_new_tokens, deadline, restore_blocks=len(blocks),
-            restored_tokens=sum(len(b.tokens) for b in blocks),
+    if engine_model.admission is not None:
+        decision = engine_model.admission.admit(engine_model.profile(), AdmissionRequest(
+            request.request_id, len(request.tokens), request.max_new_tokens, request.deadline,
+            restore_blocks=len(blocks), restored_tokens=plan.tokens,
             restore_remote=not store.maps_pages))
         if not decision.granted:
             return Restored(None, 0, decision=decision)
         grant = decision.grant
-    if pools is None and cache_kind == "paged":
-        pools = make_pools(model, policy, model_id=model_id)
     try:
-        if not blocks and ckpt is None:
-            result = Restored(_fresh(model, policy, model_id, pools, cache_kind, attention_impl,
-                                     quantized_group_size, quantized_bits, grant), 0)
-        else:
-            if cache_kind == "paged":
-                _check_capacity(pools, len(blocks))
-            result = _build(model, policy, model_id, identity, pools, blocks, ckpt, store,
-                            cache_kind, attention_impl, quantized_group_size, quantized_bits,
-                            grant, resident)
-            if resident is not None:
-                restored_tokens = [t for b in blocks for t in b.tokens]
-                resident.register(identity, namespace, restored_tokens, result.cache)
+        result = _build(engine_model, store, plan, grant)
+        if engine_model.resident is not None and blocks:
+            restored_tokens = [t for b in blocks for t in b.tokens]
+            engine_model.resident.register(identity, request.namespace, restored_tokens,
+                                           result.cache)
     except BaseException:
         if grant is not None:
             grant.close()
@@ -325,6 +299,40 @@ def restore(model, tokens: Sequence[int], store, *, model_id: str,
         result.decision, result.grant = decision, grant
     _assert_one_offset(result)
     return result
+
+
+def _source(store: PageReader, identity: FormatIdentity,
+            request: RestoreRequest) -> tuple[Checkpoint | None, list[BlockRecord]]:
+    """The checkpoint (or None) and the blocks a restore reads (module docstring, 2)."""
+    tokens, limit, namespace = request.tokens, request.limit, request.namespace
+    ckpt, blocks = None, []
+    if request.checkpoint is not None:
+        ckpt = store.get_checkpoint(namespace, request.checkpoint)
+        if ckpt.format_id != identity.format_id:
+            try:
+                theirs = store.get_format(ckpt.format_id)
+            except NotFound:
+                theirs = None
+            raise IncompatibleFormat(
+                f"checkpoint {namespace}/{request.checkpoint} was saved under another format",
+                diff(identity, theirs) if theirs is not None else
+                [("format_id", identity.format_id_hex, ckpt.format_id.hex())])
+        if tokens[: len(ckpt.tokens)] != tuple(ckpt.tokens):
+            raise InvalidRequest(f"checkpoint {namespace}/{request.checkpoint} is not a prefix "
+                                 "of the prompt")
+        ckpt, blocks = _usable_part(store, ckpt)
+    elif limit > 0 and all(layer.paged for layer in identity.layers):
+        blocks = list(store.lookup_prefix(identity.format_id, namespace, tokens,
+                                          max_tokens=limit).blocks)
+    elif limit > 0:
+        ckpt = find_checkpoint(store, identity, namespace, tokens, limit)
+        if ckpt is not None:
+            blocks = store.get_blocks(ckpt.chain_keys)
+    if blocks and sum(len(b.tokens) for b in blocks) < identity.converted_at_token:
+        ckpt, blocks = None, []  # below the conversion: no computation of this history had it
+    if not blocks and (ckpt is None or not ckpt.attachments):
+        ckpt = None  # nothing to restore
+    return ckpt, blocks
 
 
 def _assert_one_offset(result: Restored) -> None:
@@ -376,76 +384,107 @@ def quantized_kvcache_from_pages(spec: PageSpec, pages: list,
     return cache
 
 
-def _fresh(model, policy, model_id, pools, cache_kind, attention_impl, group_size, bits,
-           grant=None) -> list:
-    if cache_kind == "paged":
-        return make_cache(model, policy, model_id=model_id, pools=pools,
-                          attention_impl=attention_impl, grant=grant)
-    caches = make_stock_cache(model)
-    if cache_kind == "quantized":  # empty: quantized from the first token
-        caches = [QuantizedKVCache(group_size, bits) if isinstance(c, TrackedKVCache) else c
-                  for c in caches]
+def empty_cache(engine_model: EngineModel, request: RestoreRequest) -> list:
+    """The caches a restore of nothing gives for this request's cache kind, without
+    looking anything up (generate_with_store recomputes with them)."""
+    identity = engine_model.identity_for(request.converted_at_token)
+    group_size, bits = check_target(identity, request.cache_kind, request.quantized_group_size,
+                                    request.quantized_bits)
+    return _fresh(engine_model, _Plan(identity, request.cache_kind, group_size, bits, [], None),
+                  None)
+
+
+def _fresh(engine_model: EngineModel, plan: _Plan, grant: Grant | None) -> list:
+    """Empty caches of the plan's kind: paged layers in the engine model's pools (under
+    the grant), mlx-lm's caches (engine.stock) for the rest."""
+    if plan.cache_kind == "paged":
+        return engine_model.make_cache(grant)
+    caches = engine_model.make_stock_cache()
+    if plan.cache_kind == "quantized":  # empty: quantized from the first token
+        caches = [QuantizedKVCache(plan.group_size, plan.bits) if isinstance(c, TrackedKVCache)
+                  else c for c in caches]
     return caches
 
 
-def _build(model, policy, model_id, identity, pools, blocks: list[BlockRecord], ckpt, store,
-           cache_kind, attention_impl, group_size, bits, grant=None, resident=None) -> Restored:
-    specs = page_specs(identity)
-    paged = identity.paged_layers
-    shared = 0
-    if resident is not None:
-        full = [b.key for b in blocks if len(b.tokens) == identity.block_size_tokens]
-        shared = resident.longest(full)
+def _build(engine_model: EngineModel, store: PageReader, plan: _Plan,
+           grant: Grant | None) -> Restored:
+    """The plan's caches: empty ones for an empty plan, else its pages copied in once."""
+    if not plan.blocks and plan.checkpoint is None:
+        return Restored(_fresh(engine_model, plan, grant), 0)
+    identity, blocks, ckpt = plan.identity, plan.blocks, plan.checkpoint
+    if plan.cache_kind == "paged":
+        _check_capacity(engine_model.pools, len(blocks))
+    shared, adopted = _adopt_resident(engine_model, plan)
     fetched = blocks[shared:]
     digests = [d for b in fetched for d in b.pages]
     attachment_names = sorted(ckpt.attachments) if ckpt is not None else []
-    attachment_digests = [ckpt.attachments[n] for n in attachment_names]
-    caches = _fresh(model, policy, model_id, pools, cache_kind, attention_impl, group_size, bits,
-                    grant)
-    adopted = {}
-    if shared:
-        impl = default_attention_impl(pools[paged[0]]) if attention_impl == "auto" else attention_impl
-        adopted = resident.adopt([b.key for b in blocks[:shared]], identity.block_size_tokens,
-                                 attention_impl=impl)
-    nbytes = 0
-    with _pages(store, digests + attachment_digests) as views:
+    caches = _fresh(engine_model, plan, grant)
+    paged = identity.paged_layers
+    with _pages(store, digests + [ckpt.attachments[n] for n in attachment_names]) as views:
         nbytes = sum(len(v) for v in views)
-        per_layer = {layer: [views[i * len(paged) + j] for i in range(len(fetched))]
-                     for j, layer in enumerate(paged)}
-        for layer, pages in per_layer.items():
-            spec = specs[layer]
-            if cache_kind == "paged":
-                impl = default_attention_impl(pools[layer]) if attention_impl == "auto" else attention_impl
-                if layer in adopted:
-                    caches[layer] = adopted[layer]
-                    adopted[layer].append_pages(pages)
-                elif grant is None:
-                    caches[layer] = PagedKVCache.from_pages(pools[layer], pages, attention_impl=impl)
-                else:
-                    caches[layer] = grant.cache_from_pages(pools[layer], pages, attention_impl=impl)
-            elif spec.format.mlx_affine:  # cache_kind "quantized" (check_target)
-                caches[layer] = quantized_kvcache_from_pages(spec, pages,
-                                                             identity.converted_at_token)
-            else:
-                stock = kvcache_from_pages(spec, pages)
-                caches[layer] = stock.to_quantized(group_size, bits) if cache_kind == "quantized" else stock
+        for j, layer in enumerate(paged):  # pages of block i, layer j: views[i * L + j]
+            pages = [views[i * len(paged) + j] for i in range(len(fetched))]
+            caches[layer] = _layer_cache(engine_model, plan, layer, pages, adopted, grant)
         for name, view in zip(attachment_names, views[len(digests):]):
             index = int(name.split(".", 1)[1])
-            caches[index] = decode_attachment(view)
-            held = token_offset(caches[index])
-            if held is not None and held != len(ckpt.tokens):
-                # Written before capture refused checkpoints taken after generation.
-                raise OffsetMismatch(
-                    f"checkpoint {ckpt.namespace}/{ckpt.name} holds {len(ckpt.tokens)} tokens "
-                    f"but its layer {index} state sits at offset {held}: it was captured after "
-                    "generation and cannot continue its tokens; delete it and publish again",
-                    offsets=[held], tokens=len(ckpt.tokens))
+            caches[index] = _attachment_cache(ckpt, index, view)
         mx.eval([c.state for c in caches])
-    restored = sum(len(b.tokens) for b in blocks)
-    return Restored(caches, restored, len(blocks), nbytes,
+    return Restored(caches, plan.tokens, len(blocks), nbytes,
                     "checkpoint" if ckpt is not None else "prefix",
                     ckpt.name if ckpt is not None else None, resident_blocks=shared)
 
 
-__all__ = ["Restored", "restore", "check_pools", "check_target", "find_checkpoint",
-           "kvcache_from_pages", "quantized_kvcache_from_pages"]
+def _adopt_resident(engine_model: EngineModel, plan: _Plan) -> tuple[int, dict]:
+    """(leading blocks shared from the resident index, layer -> adopted cache)."""
+    resident, identity = engine_model.resident, plan.identity
+    if resident is None:
+        return 0, {}
+    full = [b.key for b in plan.blocks if len(b.tokens) == identity.block_size_tokens]
+    shared = resident.longest(full)
+    if not shared:
+        return 0, {}
+    pool = engine_model.pools[identity.paged_layers[0]]
+    impl = _attention_impl(engine_model, pool)
+    return shared, resident.adopt([b.key for b in plan.blocks[:shared]],
+                                  identity.block_size_tokens, attention_impl=impl)
+
+
+def _attention_impl(engine_model: EngineModel, pool) -> str | None:
+    impl = engine_model.attention_impl
+    return default_attention_impl(pool) if impl == "auto" else impl
+
+
+def _layer_cache(engine_model: EngineModel, plan: _Plan, layer: int, pages: list,
+                 adopted: dict, grant: Grant | None):
+    """One paged layer's cache holding `pages` (in block order) after any adopted ones."""
+    spec = PageSpec.from_layer_spec(plan.identity.layers[layer], plan.identity.block_size_tokens)
+    if plan.cache_kind == "paged":
+        pool = engine_model.pools[layer]
+        impl = _attention_impl(engine_model, pool)
+        if layer in adopted:
+            adopted[layer].append_pages(pages)
+            return adopted[layer]
+        if grant is None:
+            return PagedKVCache.from_pages(pool, pages, attention_impl=impl)
+        return grant.cache_from_pages(pool, pages, attention_impl=impl)
+    if spec.format.mlx_affine:  # cache_kind "quantized" (check_target)
+        return quantized_kvcache_from_pages(spec, pages, plan.identity.converted_at_token)
+    stock = kvcache_from_pages(spec, pages)
+    return stock.to_quantized(plan.group_size, plan.bits) if plan.cache_kind == "quantized" else stock
+
+
+def _attachment_cache(ckpt: Checkpoint, index: int, view):
+    cache = decode_attachment(view)
+    held = token_offset(cache)
+    if held is not None and held != len(ckpt.tokens):
+        # Written before capture refused checkpoints taken after generation.
+        raise OffsetMismatch(
+            f"checkpoint {ckpt.namespace}/{ckpt.name} holds {len(ckpt.tokens)} tokens "
+            f"but its layer {index} state sits at offset {held}: it was captured after "
+            "generation and cannot continue its tokens; delete it and publish again",
+            offsets=[held], tokens=len(ckpt.tokens))
+    return cache
+
+
+__all__ = ["Restored", "RestoreRequest", "restore", "empty_cache", "check_pools", "check_target",
+           "find_checkpoint", "kvcache_from_pages", "quantized_kvcache_from_pages"]

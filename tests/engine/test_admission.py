@@ -22,6 +22,7 @@ from engine.admission import (
     default_budget_nbytes,
 )
 from engine.attention import installed
+from engine.engine_model import EngineModel
 from engine.errors import GrantExceeded
 from engine.formats import FORMATS, PageSpec, encode_tokens
 from engine.models import make_cache, model_dtype, model_identity
@@ -29,7 +30,7 @@ from engine.policy import KVPolicy
 from engine.pricing import attention_nbytes, price_request, ring_nbytes
 from engine.publish import publish
 from engine.rates import ExecutionKey, RateBook
-from engine.restore import restore
+from engine.restore import RestoreRequest, restore
 from kernels.attention import cuda_available, metal_available, paged_attention, select_impl
 from kvstore.errors import IncompatibleFormat
 from kvstore.store import Store
@@ -463,7 +464,7 @@ def _published(tmp_path, model, tokens):
     cache = make_cache(model, NATIVE, model_id=MODEL_ID)
     with installed(model):
         mx.eval(model(mx.array([tokens]), cache=cache))
-    publish(store, model_identity(model, NATIVE, model_id=MODEL_ID), tokens, cache)
+    publish(EngineModel(model, MODEL_ID, policy=NATIVE), store, tokens, cache)
     return store
 
 
@@ -475,8 +476,9 @@ def test_a_restore_that_would_not_fit_is_refused_before_allocation(tmp_path):
         before = ([p.num_blocks for p in pools], [p.num_used_blocks for p in pools])
         mx.eval(mx.zeros(1))
         active = mx.get_active_memory()
-        result = restore(model, tokens + [1], store, model_id=MODEL_ID, policy=NATIVE,
-                         pools=pools, admission=controller, max_new_tokens=8, request_id="r")
+        served = EngineModel(model, MODEL_ID, policy=NATIVE, pools=pools, admission=controller)
+        result = restore(served, store, RestoreRequest(tokens + [1], max_new_tokens=8,
+                                                       request_id="r"))
         assert isinstance(result.decision, Refused) and not result.admitted
         assert result.cache is None and result.grant is None
         assert result.decision.price.restore_blocks == 13  # 12 full blocks and the partial one
@@ -485,8 +487,8 @@ def test_a_restore_that_would_not_fit_is_refused_before_allocation(tmp_path):
         assert mx.get_active_memory() <= active
         # "incompatible identity" is still decided first, also before allocation
         with pytest.raises(IncompatibleFormat):
-            restore(model, tokens, store, model_id=MODEL_ID, policy=PACKED, pools=pools,
-                    admission=controller)
+            restore(EngineModel(model, MODEL_ID, policy=PACKED, pools=pools, admission=controller),
+                    store, RestoreRequest(tokens))
         assert controller.committed_nbytes == controller.arena_nbytes
 
 
@@ -495,8 +497,9 @@ def test_a_restore_that_fits_is_granted_and_its_staging_refunded(tmp_path):
     tokens = prompt_tokens(100, seed=10).tolist()
     with _published(tmp_path, model, tokens) as store:
         controller, pools, _ = _setup(model, num_blocks=16)
-        result = restore(model, tokens + [3], store, model_id=MODEL_ID, policy=NATIVE,
-                         pools=pools, admission=controller, max_new_tokens=4, request_id="r")
+        served = EngineModel(model, MODEL_ID, policy=NATIVE, pools=pools, admission=controller)
+        result = restore(served, store, RestoreRequest(tokens + [3], max_new_tokens=4,
+                                                       request_id="r"))
         assert isinstance(result.decision, Granted) and result.tokens_restored == 100
         grant = result.grant
         assert "staging" not in controller.stats()["charges"]  # refunded after the eval
@@ -530,9 +533,10 @@ def test_a_remote_restore_is_priced_with_the_buffers_it_fetches_into(tmp_path):
             prices = {}
             for name, source in (("local", store), ("remote", remote)):
                 controller, pools, profile = _setup(model, num_blocks=16)
-                result = restore(model, tokens + [3], source, model_id=MODEL_ID, policy=NATIVE,
-                                 pools=pools, admission=controller, max_new_tokens=4,
-                                 request_id=name)
+                served = EngineModel(model, MODEL_ID, policy=NATIVE, pools=pools,
+                                     admission=controller)
+                result = restore(served, source, RestoreRequest(tokens + [3], max_new_tokens=4,
+                                                                request_id=name))
                 assert isinstance(result.decision, Granted) and result.tokens_restored == 100
                 prices[name] = result.decision.price
                 result.grant.close()

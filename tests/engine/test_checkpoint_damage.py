@@ -9,10 +9,11 @@ import mlx.core as mx
 import pytest
 
 from engine.attention import installed
+from engine.engine_model import EngineModel
 from engine.models import make_cache, model_identity
 from engine.policy import KVPolicy
 from engine.publish import capture, publish
-from engine.restore import restore
+from engine.restore import RestoreRequest, restore
 from kvstore.errors import IntegrityError
 from kvstore.pages import HEADER_NBYTES
 from kvstore.store import Store
@@ -46,12 +47,12 @@ def test_a_named_checkpoint_gives_the_blocks_before_a_damaged_page(tmp_path):
     original = capture(identity, tokens, cache)
     path = tmp_path / "s"
     with Store(path) as store:
-        publish(store, identity, tokens, cache, checkpoint="c")
+        publish(EngineModel(model, MODEL_ID, policy=POLICY), store, tokens, cache, checkpoint="c")
     _damage(path, "c", block=2)
     with Store(path) as store:
         def again():
-            return restore(model, tokens + [0], store, model_id=MODEL_ID, policy=POLICY,
-                           checkpoint="c")
+            return restore(EngineModel(model, MODEL_ID, policy=POLICY), store,
+                           RestoreRequest(tokens + [0], checkpoint="c"))
         with pytest.raises(IntegrityError):
             again()  # the read that finds the damage says so, once
         for _ in range(2):  # and never again: the blocks before it, the rest recomputed
@@ -65,18 +66,17 @@ def test_a_named_checkpoint_gives_the_blocks_before_a_damaged_page(tmp_path):
 
 def test_a_hybrid_model_passes_over_a_damaged_checkpoint_to_a_shorter_one(tmp_path):
     model = tiny_model("gemma3_text", mx.bfloat16)
-    identity = model_identity(model, POLICY, model_id=MODEL_ID)
+    engine_model = EngineModel(model, MODEL_ID, policy=POLICY)
     tokens = prompt_tokens(48, seed=81).tolist()
     path = tmp_path / "s"
     with Store(path) as store:
-        publish(store, identity, tokens[:32], _prefilled(model, tokens[:32]), checkpoint="short")
-        publish(store, identity, tokens, _prefilled(model, tokens), checkpoint="long")
-        assert restore(model, tokens + [0], store, model_id=MODEL_ID,
-                       policy=POLICY).checkpoint == "long"
+        publish(engine_model, store, tokens[:32], _prefilled(model, tokens[:32]), checkpoint="short")
+        publish(engine_model, store, tokens, _prefilled(model, tokens), checkpoint="long")
+        assert restore(engine_model, store, RestoreRequest(tokens + [0])).checkpoint == "long"
     _damage(path, "long", block=2)  # a block only "long" has
     with Store(path) as store:
         def again(**kwargs):
-            return restore(model, tokens + [0], store, model_id=MODEL_ID, policy=POLICY, **kwargs)
+            return restore(engine_model, store, RestoreRequest(tokens + [0], **kwargs))
         with pytest.raises(IntegrityError):
             again()
         for _ in range(2):
@@ -91,16 +91,16 @@ def test_a_hybrid_model_passes_over_a_damaged_checkpoint_to_a_shorter_one(tmp_pa
 
 def test_a_missing_attachment_page_makes_a_checkpoint_unusable(tmp_path):
     model = tiny_model("gemma3_text", mx.bfloat16)
-    identity = model_identity(model, POLICY, model_id=MODEL_ID)
+    engine_model = EngineModel(model, MODEL_ID, policy=POLICY)
     tokens = prompt_tokens(40, seed=82).tolist()
     path = tmp_path / "s"
     with Store(path) as store:
-        publish(store, identity, tokens, _prefilled(model, tokens), checkpoint="ring")
+        publish(engine_model, store, tokens, _prefilled(model, tokens), checkpoint="ring")
         ring = next(iter(store.get_checkpoint("default", "ring").attachments.values()))
         value = stored_value(store, ring)
     flip_bit(path, value, HEADER_NBYTES * 8 + 77)
     with Store(path) as store:
         with pytest.raises(IntegrityError):
-            restore(model, tokens + [0], store, model_id=MODEL_ID, policy=POLICY)
-        restored = restore(model, tokens + [0], store, model_id=MODEL_ID, policy=POLICY)
+            restore(engine_model, store, RestoreRequest(tokens + [0]))
+        restored = restore(engine_model, store, RestoreRequest(tokens + [0]))
         assert restored.tokens_restored == 0

@@ -8,11 +8,12 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import QuantizedKVCache
 
+from engine.engine_model import EngineModel
 from engine.errors import FormatMismatch
 from engine.models import model_identity
 from engine.policy import KVPolicy
 from engine.publish import capture, publish
-from engine.restore import restore
+from engine.restore import RestoreRequest, restore
 from kvstore.store import Store
 from tests.engine.factories import prompt_tokens, tiny_model
 
@@ -23,8 +24,8 @@ POLICY = KVPolicy(default_format="mlx-q4", group_size=64, block_size_tokens=16)
 def _converted(model, store, prompt, start):
     """What a user gets from generate_step(kv_bits=4, quantized_kv_start=start) on the
     engine's stock caches: the first `start` tokens native, then mx.quantize'd."""
-    fresh = restore(model, prompt, store, model_id=MODEL_ID, policy=KVPolicy(block_size_tokens=16),
-                    cache_kind="kvcache")
+    fresh = restore(EngineModel(model, MODEL_ID, policy=KVPolicy(block_size_tokens=16)), store,
+                    RestoreRequest(prompt, cache_kind="kvcache"))
     assert fresh.tokens_restored == 0
     cache = fresh.cache
     for _ in generate_step(mx.array(prompt), model, prompt_cache=cache, max_tokens=1, kv_bits=4,
@@ -43,18 +44,22 @@ def _from_token_zero(model, prompt):
 def test_a_converted_cache_is_never_served_as_one_quantized_from_token_zero(tmp_path):
     model = tiny_model("llama", mx.bfloat16)
     prompt = prompt_tokens(70, seed=70).tolist()
-    zero_identity = model_identity(model, POLICY, model_id=MODEL_ID)
+    engine_model = EngineModel(model, MODEL_ID, policy=POLICY)
+    zero_identity = engine_model.identity
     with Store(tmp_path / "s") as store:
         converted = _converted(model, store, prompt, start=32)
-        # publishing it as "quantized from token 0" is refused: its pages differ
+        # capturing it as "quantized from token 0" is refused: its pages differ
         with pytest.raises(FormatMismatch, match="converted_at_token=32"):
-            publish(store, zero_identity, prompt, converted)
+            capture(zero_identity, prompt, converted)
         ours = _from_token_zero(model, prompt)
-        publish(store, zero_identity, prompt, ours)
+        assert publish(engine_model, store, prompt, ours).blocks_skipped == 0
         # under its own identity it is another format and another chain: nothing skipped
-        converted_identity = model_identity(model, POLICY, model_id=MODEL_ID, converted_at_token=32)
+        # publish names the pages by the caches' own conversion: another format and chain
+        converted_identity = engine_model.identity_for(32)
+        assert converted_identity == model_identity(model, POLICY, model_id=MODEL_ID,
+                                                    converted_at_token=32)
         assert converted_identity.format_id != zero_identity.format_id
-        result = publish(store, converted_identity, prompt, converted)
+        result = publish(engine_model, store, prompt, converted)
         assert (result.blocks, result.blocks_skipped) == (5, 0)
         want_zero = capture(zero_identity, prompt, ours)
         want_converted = capture(converted_identity, prompt, converted)
@@ -63,9 +68,9 @@ def test_a_converted_cache_is_never_served_as_one_quantized_from_token_zero(tmp_
 
         # each request gets the pages of its own history, byte for byte
         request = prompt + [1]
-        zero = restore(model, request, store, model_id=MODEL_ID, policy=POLICY, cache_kind="quantized")
-        conv = restore(model, request, store, model_id=MODEL_ID, policy=POLICY, cache_kind="quantized",
-                       converted_at_token=32)
+        zero = restore(engine_model, store, RestoreRequest(request, cache_kind="quantized"))
+        conv = restore(engine_model, store, RestoreRequest(request, cache_kind="quantized",
+                                                           converted_at_token=32))
         assert zero.tokens_restored == conv.tokens_restored == 70
         got_zero = capture(zero_identity, prompt, zero.cache)
         got_converted = capture(converted_identity, prompt, conv.cache)
@@ -73,13 +78,13 @@ def test_a_converted_cache_is_never_served_as_one_quantized_from_token_zero(tmp_
             assert all(a.page(i) == b.page(i) for a, b in zip(want.layers, got.layers)
                        for i in range(5))
         # the converted pages are never matched or trimmed below their conversion
-        short = restore(model, request, store, model_id=MODEL_ID, policy=POLICY,
-                        cache_kind="quantized", converted_at_token=32, max_tokens=20)
+        short = restore(engine_model, store, RestoreRequest(
+            request, cache_kind="quantized", converted_at_token=32, max_restore_tokens=20))
         assert short.tokens_restored == 0
         assert conv.cache[0].trim(60) == 38 and conv.cache[0].offset == 32
         # a history nobody published is a miss, not another history's pages
-        other = restore(model, request, store, model_id=MODEL_ID, policy=POLICY,
-                        cache_kind="quantized", converted_at_token=48)
+        other = restore(engine_model, store, RestoreRequest(request, cache_kind="quantized",
+                                                            converted_at_token=48))
         assert other.tokens_restored == 0
 
 
@@ -88,8 +93,7 @@ def test_a_converted_cache_is_not_published_below_its_conversion(tmp_path):
 
     model = tiny_model("llama", mx.bfloat16)
     prompt = prompt_tokens(70, seed=71).tolist()
-    identity = model_identity(model, POLICY, model_id=MODEL_ID, converted_at_token=32)
     with Store(tmp_path / "s") as store:
         converted = _converted(model, store, prompt, start=32)
         with pytest.raises(InvalidRequest, match="below"):
-            publish(store, identity, prompt[:20], converted)
+            publish(EngineModel(model, MODEL_ID, policy=POLICY), store, prompt[:20], converted)

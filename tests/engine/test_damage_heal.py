@@ -10,10 +10,11 @@ import mlx.core as mx
 import pytest
 
 from engine.attention import installed
+from engine.engine_model import EngineModel
 from engine.models import make_cache, model_identity
 from engine.policy import KVPolicy
 from engine.publish import capture, publish
-from engine.restore import restore
+from engine.restore import RestoreRequest, restore
 from kvstore.errors import IntegrityError
 from kvstore.pages import HEADER_NBYTES
 from kvstore.store import Store
@@ -46,7 +47,7 @@ def damaged(tmp_path):
     original = capture(identity, tokens, cache)
     path = tmp_path / "store"
     with Store(path) as store:
-        result = publish(store, identity, tokens, cache)
+        result = publish(EngineModel(model, MODEL_ID, policy=policy), store, tokens, cache)
         assert result.blocks == 4 and result.blocks_skipped == 0
         match = store.lookup_prefix(identity.format_id, "default", tokens)
         victim = match.blocks[DAMAGED_BLOCK].pages[0]
@@ -56,7 +57,7 @@ def damaged(tmp_path):
 
 
 def _restore(model, policy, tokens, store):
-    return restore(model, tokens + [0], store, model_id=MODEL_ID, policy=policy)
+    return restore(EngineModel(model, MODEL_ID, policy=policy), store, RestoreRequest(tokens + [0]))
 
 
 def test_damage_raises_once_then_restores_stop_before_the_damaged_block(damaged):
@@ -82,7 +83,7 @@ def test_publishing_again_heals_a_quarantined_page(damaged):
     with Store(path) as store:
         with pytest.raises(IntegrityError):
             _restore(model, policy, tokens, store)
-        result = publish(store, identity, tokens, cache)
+        result = publish(EngineModel(model, MODEL_ID, policy=policy), store, tokens, cache)
         assert result.blocks_skipped == DAMAGED_BLOCK, "blocks before the damage stay skipped"
         assert result.pages_sent == 1, "exactly the quarantined page is sent again"
         healed = _restore(model, policy, tokens, store)

@@ -7,11 +7,12 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from engine.attention import installed
+from engine.engine_model import EngineModel
 from engine.errors import OffsetMismatch
 from engine.models import make_cache, model_identity
 from engine.policy import KVPolicy
 from engine.publish import publish
-from engine.restore import restore
+from engine.restore import RestoreRequest, restore
 from kvstore.store import Store
 from tests.engine.factories import prompt_tokens, tiny_model
 
@@ -30,20 +31,20 @@ def test_checkpoint_after_generation_is_refused_and_the_held_tokens_restore_at_o
         tmp_path):
     model = tiny_model("gemma3_text", mx.bfloat16)
     policy = KVPolicy(block_size_tokens=16)
-    identity = model_identity(model, policy, model_id=MODEL_ID)
+    engine_model = EngineModel(model, MODEL_ID, policy=policy)
     prompt = prompt_tokens(40, seed=60).tolist()
     cache, out = _generated(model, policy, prompt, max_tokens=10)
     # mlx-lm fed every generated token back: the layers sit at 50, not at the prompt's 40
     assert {c.offset for c in cache} == {50}
     with Store(tmp_path / "s") as store:
         with pytest.raises(OffsetMismatch) as info:
-            publish(store, identity, prompt, cache, checkpoint="x")
+            publish(engine_model, store, prompt, cache, checkpoint="x")
         assert info.value.offsets == [50] * 4 and info.value.tokens == 40
         assert store.list_checkpoints("default") == []
         # what the cache really holds publishes, and restores with every layer at 50
         held = prompt + out
-        publish(store, identity, held, cache, checkpoint="x")
-        restored = restore(model, held + [1], store, model_id=MODEL_ID, policy=policy)
+        publish(engine_model, store, held, cache, checkpoint="x")
+        restored = restore(engine_model, store, RestoreRequest(held + [1]))
         assert (restored.tokens_restored, restored.checkpoint) == (50, "x")
         assert [c.offset for c in restored.cache] == [50] * 4
 
@@ -54,9 +55,10 @@ def test_a_prefix_of_full_attention_layers_still_publishes_after_generation(tmp_
     prompt = prompt_tokens(40, seed=61).tolist()
     cache, _ = _generated(model, policy, prompt, max_tokens=4)
     with Store(tmp_path / "s") as store:
-        result = publish(store, model_identity(model, policy, model_id=MODEL_ID), prompt, cache)
+        engine_model = EngineModel(model, MODEL_ID, policy=policy)
+        result = publish(engine_model, store, prompt, cache)
         assert (result.tokens, result.blocks) == (40, 3)
-        restored = restore(model, prompt + [1], store, model_id=MODEL_ID, policy=policy)
+        restored = restore(engine_model, store, RestoreRequest(prompt + [1]))
         assert [c.offset for c in restored.cache] == [40, 40]
 
 
@@ -76,4 +78,4 @@ def test_a_stored_checkpoint_with_layers_past_its_tokens_is_refused_on_restore(t
     with Store(tmp_path / "s") as store:
         upload(store, old, checkpoint="old")
         with pytest.raises(OffsetMismatch, match="captured after generation"):
-            restore(model, prompt + [1], store, model_id=MODEL_ID, policy=policy)
+            restore(EngineModel(model, MODEL_ID, policy=policy), store, RestoreRequest(prompt + [1]))

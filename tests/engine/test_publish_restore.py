@@ -13,11 +13,12 @@ import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from engine.attention import installed
+from engine.engine_model import EngineModel
 from engine.errors import FormatMismatch
 from engine.models import make_cache, make_pools, model_identity
 from engine.policy import KVPolicy
 from engine.publish import capture, publish
-from engine.restore import restore
+from engine.restore import RestoreRequest, restore
 from engine.writebehind import WriteBehindPublisher
 from kvstore.errors import IncompatibleFormat
 from kvstore.store import Store
@@ -78,10 +79,11 @@ def test_partial_match_restores_only_shared_blocks(tmp_path):
     policy = KVPolicy(block_size_tokens=16)
     first = prompt_tokens(100, seed=5).tolist()
     with Store(tmp_path / "s") as store:
-        publish(store, model_identity(model, policy, model_id=MODEL_ID), first,
+        publish(EngineModel(model, MODEL_ID, policy=policy), store, first,
                 _prefilled(model, policy, first))
         other = first[:50] + prompt_tokens(60, seed=6).tolist()  # shares 3 full blocks (48 tokens)
-        restored = restore(model, other, store, model_id=MODEL_ID, policy=policy)
+        restored = restore(EngineModel(model, MODEL_ID, policy=policy), store,
+                           RestoreRequest(other))
         assert restored.tokens_restored == 48 and restored.blocks == 3
         assert restored.cache[0].size() == 48
 
@@ -91,7 +93,7 @@ def test_incompatible_checkpoint_is_refused_before_allocation(tmp_path):
     native, packed = KVPolicy(block_size_tokens=16), KVPolicy(default_format="k4v4", block_size_tokens=16)
     tokens = prompt_tokens(64, seed=7).tolist()
     with Store(tmp_path / "s") as store:
-        publish(store, model_identity(model, native, model_id=MODEL_ID), tokens,
+        publish(EngineModel(model, MODEL_ID, policy=native), store, tokens,
                 _prefilled(model, native, tokens), checkpoint="c")
         pools = make_pools(model, packed, model_id=MODEL_ID)
         blocks_before = [p.num_blocks for p in pools if p]
@@ -99,8 +101,8 @@ def test_incompatible_checkpoint_is_refused_before_allocation(tmp_path):
         mx.eval(mx.zeros(1))
         active_before = mx.get_active_memory()
         with pytest.raises(IncompatibleFormat) as info:
-            restore(model, tokens + [1], store, model_id=MODEL_ID, policy=packed, pools=pools,
-                    checkpoint="c")
+            restore(EngineModel(model, MODEL_ID, policy=packed, pools=pools), store,
+                    RestoreRequest(tokens + [1], checkpoint="c"))
         fields = {path for path, _, _ in info.value.diff}
         assert "layers[0].page_format" in fields and "layers[0].rotation" in fields
         assert [p.num_blocks for p in pools if p] == blocks_before
@@ -114,7 +116,8 @@ def test_pools_of_another_format_are_refused_with_diff(tmp_path):
     with Store(tmp_path / "s") as store:
         pools = make_pools(model, packed, model_id=MODEL_ID)
         with pytest.raises(IncompatibleFormat) as info:
-            restore(model, [1, 2, 3], store, model_id=MODEL_ID, policy=native, pools=pools)
+            restore(EngineModel(model, MODEL_ID, policy=native, pools=pools), store,
+                    RestoreRequest([1, 2, 3]))
         assert any(path.endswith("page_format") for path, _, _ in info.value.diff)
         assert all(p.num_used_blocks == 0 for p in pools if p)
 
@@ -127,8 +130,9 @@ def test_packed_restore_is_byte_identical_to_published_pages(tmp_path):
     cache = _prefilled(model, policy, tokens)
     before = capture(identity, tokens, cache)
     with Store(tmp_path / "s") as store:
-        publish(store, identity, tokens, cache)
-        restored = restore(model, tokens + [0], store, model_id=MODEL_ID, policy=policy)
+        engine_model = EngineModel(model, MODEL_ID, policy=policy)
+        publish(engine_model, store, tokens, cache)
+        restored = restore(engine_model, store, RestoreRequest(tokens + [0]))
         assert restored.tokens_restored == 70
         after = capture(identity, tokens, restored.cache)
     for a, b in zip(before.layers, after.layers):
@@ -146,8 +150,9 @@ def test_restore_into_stock_caches_matches_stock_recompute(tmp_path, kind):
     stock = [KVCache() for _ in model.layers]
     mx.eval(model(mx.array([tokens]), cache=stock))
     with Store(tmp_path / "s") as store:
-        publish(store, model_identity(model, policy, model_id=MODEL_ID), tokens, stock)
-        restored = restore(model, prompt, store, model_id=MODEL_ID, policy=policy, cache_kind=kind)
+        engine_model = EngineModel(model, MODEL_ID, policy=policy)
+        publish(engine_model, store, tokens, stock)
+        restored = restore(engine_model, store, RestoreRequest(prompt, cache_kind=kind))
     assert restored.tokens_restored == 90
     expected_type = KVCache if kind == "kvcache" else QuantizedKVCache
     assert all(isinstance(c, expected_type) for c in restored.cache)
@@ -203,7 +208,8 @@ def test_write_behind_drops_under_a_tiny_cap_and_never_serves_wrong_pages(tmp_pa
         assert stats["pinned_nbytes"] == 0
         assert accepted[-1]  # the newest capture is never the oldest in the queue
         for prompt, cap in zip(prompts, captures):
-            restored = restore(model, prompt + [1], store, model_id=MODEL_ID, policy=policy)
+            restored = restore(EngineModel(model, MODEL_ID, policy=policy), store,
+                               RestoreRequest(prompt + [1]))
             if restored.tokens_restored:
                 again = capture(identity, prompt, restored.cache)
                 assert all(a.page(i) == b.page(i) for a, b in zip(cap.layers, again.layers)
@@ -215,14 +221,14 @@ def test_sliding_state_is_never_restored_partway(tmp_path):
     policy = KVPolicy(block_size_tokens=16)
     tokens = prompt_tokens(40, seed=30).tolist()
     with Store(tmp_path / "s") as store:
-        publish(store, model_identity(model, policy, model_id=MODEL_ID), tokens,
-                _prefilled(model, policy, tokens), checkpoint="ring")
+        engine_model = EngineModel(model, MODEL_ID, policy=policy)
+        publish(engine_model, store, tokens, _prefilled(model, policy, tokens), checkpoint="ring")
         # shares 32 tokens (2 full blocks) but not the checkpoint's 40: the sliding
         # layers' rings are only valid at 40, so nothing is restored
         diverged = tokens[:32] + prompt_tokens(20, seed=31).tolist()
-        assert restore(model, diverged, store, model_id=MODEL_ID, policy=policy).tokens_restored == 0
+        assert restore(engine_model, store, RestoreRequest(diverged)).tokens_restored == 0
         extended = tokens + prompt_tokens(5, seed=32).tolist()
-        restored = restore(model, extended, store, model_id=MODEL_ID, policy=policy)
+        restored = restore(engine_model, store, RestoreRequest(extended))
         assert (restored.tokens_restored, restored.source, restored.checkpoint) == (40, "checkpoint", "ring")
         assert all(c.offset == 40 for c in restored.cache)
 
@@ -241,9 +247,9 @@ def test_publish_and_restore_through_the_http_service(tmp_path):
         app = create_app(store=store, settings=Settings(data_dir=store.path))
         with TestClient(app) as client:
             remote = RemoteStore("http://testserver", None, client=client)
-            identity = model_identity(model, policy, model_id=MODEL_ID)
-            publish(remote, identity, tokens, _prefilled(model, policy, tokens))
-            restored = restore(model, tokens + [3], remote, model_id=MODEL_ID, policy=policy)
+            engine_model = EngineModel(model, MODEL_ID, policy=policy)
+            publish(engine_model, remote, tokens, _prefilled(model, policy, tokens))
+            restored = restore(engine_model, remote, RestoreRequest(tokens + [3]))
     assert restored.tokens_restored == 90
     fresh = _prefilled(model, policy, tokens)
     with installed(model):
@@ -315,14 +321,13 @@ def test_quantized_pages_restore_byte_identical_and_partial_prefix(tmp_path):
     published = _quantized_prefilled(model, first, bits=4, group_size=32)
     before = capture(identity, first, published)
     with Store(tmp_path / "s") as store:
-        publish(store, identity, first, published)
-        whole = restore(model, first + [1], store, model_id=MODEL_ID, policy=policy,
-                        cache_kind="quantized")
+        engine_model = EngineModel(model, MODEL_ID, policy=policy)
+        publish(engine_model, store, first, published)
+        whole = restore(engine_model, store, RestoreRequest(first + [1], cache_kind="quantized"))
         assert whole.tokens_restored == 100 and whole.blocks == 7
         after = capture(identity, first, whole.cache)
         other = first[:50] + prompt_tokens(60, seed=41).tolist()  # shares 3 full blocks
-        partial = restore(model, other, store, model_id=MODEL_ID, policy=policy,
-                          cache_kind="quantized")
+        partial = restore(engine_model, store, RestoreRequest(other, cache_kind="quantized"))
     for a, b in zip(before.layers, after.layers, strict=True):
         assert all(a.page(i) == b.page(i) for i in range(7))
     assert partial.tokens_restored == 48 and partial.blocks == 3
@@ -354,20 +359,21 @@ def test_quantized_identity_mismatch_is_refused_before_allocation(tmp_path, targ
     policy = _quantized_policy(bits=4, group_size=64)
     tokens = prompt_tokens(64, seed=43).tolist()
     with Store(tmp_path / "s") as store:
-        publish(store, model_identity(model, policy, model_id=MODEL_ID), tokens,
+        publish(EngineModel(model, MODEL_ID, policy=policy), store, tokens,
                 _quantized_prefilled(model, tokens), checkpoint="c")
         kwargs = dict(kwargs)
         reader = tiny_model("llama", kwargs.pop("dtype")) if "dtype" in kwargs else model
-        args = {"policy": policy, "cache_kind": "quantized", **kwargs}
+        reader_model = EngineModel(reader, MODEL_ID, policy=kwargs.pop("policy", policy))
+        args = {"cache_kind": "quantized", **kwargs}
         mx.eval(mx.zeros(1))
         active_before = mx.get_active_memory()
         with pytest.raises(IncompatibleFormat) as info:
-            restore(reader, tokens + [1], store, model_id=MODEL_ID, checkpoint="c", **args)
+            restore(reader_model, store, RestoreRequest(tokens + [1], checkpoint="c", **args))
         assert mx.get_active_memory() <= active_before
         assert field in {path for path, _, _ in info.value.diff}, info.value.diff
         # the same restore with the publisher's identity goes through
-        ok = restore(model, tokens + [1], store, model_id=MODEL_ID, policy=policy,
-                     cache_kind="quantized", checkpoint="c")
+        ok = restore(EngineModel(model, MODEL_ID, policy=policy), store,
+                     RestoreRequest(tokens + [1], cache_kind="quantized", checkpoint="c"))
         assert ok.tokens_restored == 64
 
 
@@ -408,12 +414,13 @@ def test_generate_with_store_restores_what_it_published(tmp_path, page_format):
     policy = KVPolicy(default_format=page_format, block_size_tokens=16)
     prompt = prompt_tokens(70, seed=45).tolist()
     with Store(tmp_path / "s") as store:
-        first = generate_with_store(model, None, prompt, store, model_id=MODEL_ID, policy=policy,
-                                    max_tokens=8, rates=RateBook())
+        engine_model = EngineModel(model, MODEL_ID, policy=policy)
+        first = generate_with_store(engine_model, None, prompt, store, max_new_tokens=8,
+                                    rates=RateBook())
         assert first.tokens_restored == 0 and first.published["blocks"] == 5
         # a fresh rate book has no prefill samples and restores: the 4 full blocks (at most
         # 69 tokens may be restored, and the stored partial block holds all 6 of the rest)
-        again = generate_with_store(model, None, prompt, store, model_id=MODEL_ID, policy=policy,
-                                    max_tokens=8, rates=RateBook(), publish_prompt=False)
+        again = generate_with_store(engine_model, None, prompt, store, max_new_tokens=8,
+                                    rates=RateBook(), publish_prompt=False)
     assert again.tokens_restored == 64 and again.tokens_computed == 6
     assert again.tokens == first.tokens

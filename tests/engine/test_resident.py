@@ -47,8 +47,7 @@ def test_adopted_blocks_are_shared_and_copy_on_write():
 
 
 def test_restore_shares_resident_blocks_and_reads_only_the_rest(tmp_path):
-    from engine.publish import publish
-    from engine.restore import restore
+    from engine import EngineModel, RestoreRequest, publish, restore
     from kvstore.store import Store
 
     model = tiny_model("llama", mx.bfloat16)
@@ -60,17 +59,16 @@ def test_restore_shares_resident_blocks_and_reads_only_the_rest(tmp_path):
     with Store(tmp_path / "s") as store, installed(model):
         cache = make_cache(model, policy, model_id=MODEL_ID, pools=pools)
         mx.eval(model(mx.array([tokens]), cache=cache))
-        publish(store, identity, tokens, cache)
+        engine_model = EngineModel(model, MODEL_ID, policy=policy, resident=index)
+        publish(engine_model, store, tokens, cache)
         index.register(identity, "default", tokens[:32], cache)  # 2 of the 5 blocks resident
-        first = restore(model, tokens + [1], store, model_id=MODEL_ID, policy=policy,
-                        resident=index)
+        first = restore(engine_model, store, RestoreRequest(tokens + [1]))
         assert (first.tokens_restored, first.resident_blocks, first.blocks) == (80, 2, 5)
         assert first.bytes_read == 3 * identity.block_nbytes(16)  # only the 3 blocks not resident
         for layer, c in enumerate(first.cache):
             assert c.block_ids[:2] == cache[layer].block_ids[:2]
         # the restore listed every full block it built: a second restore reads nothing
-        second = restore(model, tokens + [1], store, model_id=MODEL_ID, policy=policy,
-                         resident=index)
+        second = restore(engine_model, store, RestoreRequest(tokens + [1]))
         assert (second.resident_blocks, second.bytes_read) == (5, 0)
         want = model(mx.array([[1]]), cache=cache)[:, -1]
         for restored in (first, second):

@@ -23,11 +23,9 @@ import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
+from engine import EngineModel, KVPolicy, RestoreRequest, publish, restore
 from engine.attention import installed
-from engine.models import make_cache, model_identity
-from engine.policy import KVPolicy
-from engine.publish import publish
-from engine.restore import restore
+from engine.models import make_cache
 from kvstore.store import Store
 from tests.engine.factories import tiny_model
 
@@ -70,15 +68,14 @@ def quantized(spec, model, store) -> dict:
     policy = KVPolicy(default_format=f"mlx-q{bits}", block_size_tokens=spec["block_size"],
                       group_size=group)
     prompt = spec["prompt"]
+    engine_model = EngineModel(model, "test/tiny", policy=policy)
     if spec["role"] == "publish":
         caches = _quantized_caches(model, group, bits)
         mx.eval(model(mx.array([prompt]), cache=caches))
-        identity = model_identity(model, policy, model_id="test/tiny")
-        result = publish(store, identity, prompt, caches, checkpoint="q")
+        result = publish(engine_model, store, prompt, caches, checkpoint="q")
         return {"blocks": result.blocks, "state": _state_digests(caches),
-                "format_id": identity.format_id_hex}
-    restored = restore(model, prompt, store, model_id="test/tiny", policy=policy,
-                       cache_kind="quantized")
+                "format_id": engine_model.identity.format_id_hex}
+    restored = restore(engine_model, store, RestoreRequest(prompt, cache_kind="quantized"))
     n = restored.tokens_restored
     state = _state_digests(restored.cache)
     got, got_lp = _greedy_logprobs(model, prompt[n:], restored.cache, spec["generate"])
@@ -100,17 +97,17 @@ def main(argv):
             print(json.dumps(quantized(spec, model, store)))
         return
     policy = KVPolicy(default_format=spec["format"], block_size_tokens=spec["block_size"])
-    identity = model_identity(model, policy, model_id="test/tiny")
+    engine_model = EngineModel(model, "test/tiny", policy=policy)
     out = {}
     with Store(spec["store"]) as store, installed(model):
         if spec["role"] == "publish":
             cache = make_cache(model, policy, model_id="test/tiny")
             mx.eval(model(mx.array([spec["prompt"]]), cache=cache))
-            result = publish(store, identity, spec["prompt"], cache, checkpoint="a")
+            result = publish(engine_model, store, spec["prompt"], cache, checkpoint="a")
             out = {"blocks": result.blocks, "pages_sent": result.pages_sent}
         else:
             prompt = spec["prompt"]
-            restored = restore(model, prompt, store, model_id="test/tiny", policy=policy)
+            restored = restore(engine_model, store, RestoreRequest(prompt))
             got = _greedy(model, prompt[restored.tokens_restored:], restored.cache, spec["generate"])
             fresh = make_cache(model, policy, model_id="test/tiny")
             want = _greedy(model, prompt, fresh, spec["generate"])

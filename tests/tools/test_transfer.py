@@ -175,9 +175,7 @@ def test_mlx_lm_export_of_an_engine_checkpoint_equals_the_live_cache(tmp_path):
     mx = pytest.importorskip("mlx.core")
     from mlx_lm.models.cache import load_prompt_cache
 
-    from engine.models import model_identity
-    from engine.policy import KVPolicy
-    from engine.publish import publish
+    from engine import EngineModel, KVPolicy, publish
     from tests.engine.factories import prompt_tokens, tiny_model
 
     model = tiny_model("gemma3_text", dtype=mx.bfloat16)
@@ -185,9 +183,9 @@ def test_mlx_lm_export_of_an_engine_checkpoint_equals_the_live_cache(tmp_path):
     caches = model.make_cache()
     model(mx.array(tokens)[None], cache=caches)
     mx.eval([c.state for c in caches])
-    identity = model_identity(model, KVPolicy(block_size_tokens=64), model_id="test/gemma3")
+    engine_model = EngineModel(model, "test/gemma3", policy=KVPolicy(block_size_tokens=64))
     with Store(tmp_path / "store") as store:
-        publish(store, identity, tokens, caches, checkpoint="g")
+        publish(engine_model, store, tokens, caches, checkpoint="g")
     out = tmp_path / "g.safetensors"
     assert run("export", "g", out, "--mlx-lm", "-d", tmp_path / "store").code == EXIT_OK
     loaded = load_prompt_cache(str(out))
@@ -253,9 +251,7 @@ def test_mlx_lm_export_of_a_quantized_kvcache_checkpoint_is_byte_for_byte(tmp_pa
     mx = pytest.importorskip("mlx.core")
     from mlx_lm.models.cache import QuantizedKVCache, load_prompt_cache
 
-    from engine.models import model_identity
-    from engine.policy import KVPolicy
-    from engine.publish import publish
+    from engine import EngineModel, KVPolicy, publish
     from tests.engine.factories import prompt_tokens, tiny_model
 
     model = tiny_model("llama", dtype=mx.bfloat16)
@@ -264,7 +260,7 @@ def test_mlx_lm_export_of_a_quantized_kvcache_checkpoint_is_byte_for_byte(tmp_pa
     mx.eval(model(mx.array(tokens)[None], cache=caches))
     policy = KVPolicy(default_format="mlx-q4", group_size=32, block_size_tokens=64)
     with Store(tmp_path / "store") as store:
-        publish(store, model_identity(model, policy, model_id="test/q4"), tokens, caches,
+        publish(EngineModel(model, "test/q4", policy=policy), store, tokens, caches,
                 checkpoint="q")
     out = tmp_path / "q.safetensors"
     assert run("export", "q", out, "--mlx-lm", "-d", tmp_path / "store").code == EXIT_OK

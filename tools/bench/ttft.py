@@ -48,11 +48,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
+from engine import EngineModel, KVPolicy, RestoreRequest, publish, restore
 from engine.attention import installed
-from engine.models import make_cache, make_pools, model_identity
-from engine.policy import KVPolicy
-from engine.publish import publish
-from engine.restore import restore
 from kvstore.store import Store
 from tools.bench.common import machine_line
 
@@ -100,10 +97,9 @@ def run(size: str, prompts: list[int], formats: list[str], repeats: int, block_s
     with tempfile.TemporaryDirectory() as tmp, Store(f"{tmp}/store") as store, installed(model):
         for fmt in formats:
             policy = KVPolicy(default_format=fmt, block_size_tokens=block_size)
-            identity = model_identity(model, policy, model_id=MODEL_ID)
             for length in prompts:
                 tokens = mx.random.randint(0, vocab, (length,), key=mx.random.key(length)).tolist()
-                pools = make_pools(model, policy, model_id=MODEL_ID)
+                engine_model = EngineModel(model, MODEL_ID, policy=policy)
                 if length not in prompt_files:  # the peer's file, once per length (untimed)
                     kv_caches = [KVCache() for _ in model.layers]
                     first_token(model, tokens, kv_caches)  # fills all but the last token
@@ -114,20 +110,19 @@ def run(size: str, prompts: list[int], formats: list[str], repeats: int, block_s
                 want = None
                 for _ in range(repeats):
                     t0 = time.perf_counter()
-                    cache = make_cache(model, policy, model_id=MODEL_ID, pools=pools)
+                    cache = engine_model.make_cache()
                     got = first_token(model, tokens, cache)
                     recompute.append(time.perf_counter() - t0)
                     if want is None:
                         # the first recompute fills the store (after its clock stopped):
                         # a separate prefill for it would cost one more 8K prefill per case
                         want = got
-                        publish(store, identity, tokens[:-1], cache)
+                        publish(engine_model, store, tokens[:-1], cache)
                     assert got == want
                     for c in cache:
                         c.free()
                     t0 = time.perf_counter()
-                    result = restore(model, tokens, store, model_id=MODEL_ID, policy=policy,
-                                     pools=pools)
+                    result = restore(engine_model, store, RestoreRequest(tokens))
                     logits = model(mx.array([tokens[result.tokens_restored:]]), cache=result.cache)
                     token = mx.argmax(logits[:, -1], axis=-1)
                     mx.eval(token)
