@@ -139,7 +139,7 @@ def find_checkpoint(store: PageReader, identity: FormatIdentity, namespace: str,
     the next shorter, since attachment state is only valid at its own length."""
     head = tuple(tokens[:limit])
     candidates = [c for c in store.list_checkpoints(namespace)
-                  if c.format_id == identity.format_id and 0 < len(c.tokens) <= limit
+                  if c.format_id in _readable_format_ids(identity) and 0 < len(c.tokens) <= limit
                   and len(c.tokens) >= identity.converted_at_token
                   and head[: len(c.tokens)] == tuple(c.tokens)]
     for ckpt in sorted(candidates, key=lambda c: len(c.tokens), reverse=True):
@@ -148,6 +148,14 @@ def find_checkpoint(store: PageReader, identity: FormatIdentity, namespace: str,
         log.info("checkpoint %s/%s has a missing or quarantined page; trying a shorter one",
                  namespace, ckpt.name)
     return None
+
+
+def _readable_format_ids(identity: FormatIdentity) -> tuple[bytes, ...]:
+    """The format ids whose pages this identity may be served from: its own, then the
+    schema-1 id of the same pages where one exists (FormatIdentity.equivalent_older:
+    stores written before schema 2 keep serving native and kXvY prefixes)."""
+    older = identity.equivalent_older()
+    return (identity.format_id,) if older is None else (identity.format_id, older.format_id)
 
 
 def _complete(store: PageReader, ckpt: Checkpoint) -> tuple[int, bool]:
@@ -308,7 +316,7 @@ def _source(store: PageReader, identity: FormatIdentity,
     ckpt, blocks = None, []
     if request.checkpoint is not None:
         ckpt = store.get_checkpoint(namespace, request.checkpoint)
-        if ckpt.format_id != identity.format_id:
+        if ckpt.format_id not in _readable_format_ids(identity):
             try:
                 theirs = store.get_format(ckpt.format_id)
             except NotFound:
@@ -322,8 +330,11 @@ def _source(store: PageReader, identity: FormatIdentity,
                                  "of the prompt")
         ckpt, blocks = _usable_part(store, ckpt)
     elif limit > 0 and all(layer.paged for layer in identity.layers):
-        blocks = list(store.lookup_prefix(identity.format_id, namespace, tokens,
-                                          max_tokens=limit).blocks)
+        for format_id in _readable_format_ids(identity):  # the current id first
+            blocks = list(store.lookup_prefix(format_id, namespace, tokens,
+                                              max_tokens=limit).blocks)
+            if blocks:
+                break
     elif limit > 0:
         ckpt = find_checkpoint(store, identity, namespace, tokens, limit)
         if ckpt is not None:

@@ -248,6 +248,19 @@ class FormatIdentity:
         """Indices of the layers that have one page per block."""
         return tuple(i for i, layer in enumerate(self.layers) if layer.paged)
 
+    def equivalent_older(self) -> "FormatIdentity | None":
+        """The identity of an older schema whose pages mean exactly what this one's do,
+        or None. Written before schema 2 there was no converted_at_token; only mlx-qB
+        pages are ever produced by converting a cache, so a schema-1 identity with no
+        mlx-qB layer names the same pages as this schema-2 one with converted_at_token
+        0. A schema-1 mlx-qB identity's history is unknown: it has no equivalent."""
+        if self.schema_version != CONVERSION_SCHEMA_VERSION or self.converted_at_token:
+            return None
+        if any(layer.page_format in MLX_AFFINE_FORMATS for layer in self.layers):
+            return None
+        return FormatIdentity(self.model_id, self.model_fingerprint, self.block_size_tokens,
+                              self.layers, self.tokenizer_fingerprint, schema_version=1)
+
     def block_nbytes(self, tokens: int) -> int:
         """Bytes of all pages of one block of `tokens` tokens."""
         return sum(self.layers[i].page_nbytes(tokens) for i in self.paged_layers)

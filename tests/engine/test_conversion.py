@@ -97,3 +97,35 @@ def test_a_converted_cache_is_not_published_below_its_conversion(tmp_path):
         converted = _converted(model, store, prompt, start=32)
         with pytest.raises(InvalidRequest, match="below"):
             publish(EngineModel(model, MODEL_ID, policy=POLICY), store, prompt[:20], converted)
+
+
+def test_pages_stored_under_schema_1_are_still_served_unless_their_history_is_unknown(tmp_path):
+    # A store written before schema 2: the same identities at schema_version=1.
+    from dataclasses import replace
+
+    from engine.publish import upload
+    from tests.engine.test_publish_restore import _prefilled
+
+    model = tiny_model("llama", mx.bfloat16)
+    prompt = prompt_tokens(40, seed=72).tolist()
+    native = EngineModel(model, MODEL_ID, policy=KVPolicy(block_size_tokens=16))
+    quantized = EngineModel(model, MODEL_ID, policy=POLICY)
+    old_native = replace(native.identity, schema_version=1, converted_at_token=0)
+    old_quantized = replace(quantized.identity, schema_version=1, converted_at_token=0)
+    assert old_native.format_id == native.identity.equivalent_older().format_id
+    assert quantized.identity.equivalent_older() is None
+    with Store(tmp_path / "s") as store:
+        upload(store, capture(old_native, prompt, _prefilled(model, native.policy, prompt)),
+               checkpoint="n")
+        upload(store, capture(old_quantized, prompt, _from_token_zero(model, prompt)),
+               checkpoint="q")
+        request = RestoreRequest(prompt + [1])
+        assert restore(native, store, request).tokens_restored == 40
+        assert restore(native, store, RestoreRequest(prompt + [1], checkpoint="n")).tokens_restored == 40
+        # schema-1 mlx-qB pages may come from a converted cache: never served
+        assert restore(quantized, store, RestoreRequest(prompt + [1], cache_kind="quantized")
+                       ).tokens_restored == 0
+        from kvstore.errors import IncompatibleFormat
+        with pytest.raises(IncompatibleFormat):
+            restore(quantized, store, RestoreRequest(prompt + [1], cache_kind="quantized",
+                                                     checkpoint="q"))

@@ -50,3 +50,14 @@ def test_a_schema_1_identity_keeps_its_encoding_and_id():
 def test_bad_conversion_offsets_are_refused(kwargs):
     with pytest.raises(InvalidInput):
         _identity(**kwargs)
+
+
+def test_only_pages_that_cannot_be_converted_have_an_older_equivalent():
+    native = _identity(layers=(NATIVE,))
+    older = native.equivalent_older()
+    assert older is not None and older.schema_version == 1
+    assert (older.layers, older.model_id, older.block_size_tokens) == (
+        native.layers, native.model_id, native.block_size_tokens)
+    assert _identity().equivalent_older() is None  # mlx-q4: its history is unknown at schema 1
+    assert _identity(converted_at_token=32).equivalent_older() is None
+    assert older.equivalent_older() is None
