@@ -9,8 +9,10 @@ Implementations (see docs/kernels.md):
 Dispatch (impl=None): $KVSTORE_ATTENTION_IMPL if set, else "cuda" when the default device
 is a CUDA GPU, "metal" on a Metal GPU, "partitioned" otherwise. Then, whatever was chosen:
 array masks go to "reference"; more than KERNEL_MAX_QUERIES queries, or a shape the
-kernels do not serve, go from "cuda"/"metal" to "partitioned". Forcing a kernel whose
-backend is absent raises BackendUnavailable.
+kernels do not serve, go from "cuda"/"metal" to "partitioned"; on CUDA, packed pages with
+fp16/bf16 queries take the tensor-core split kernel. Forcing a kernel whose backend is
+absent raises BackendUnavailable. This module is the whole rule; kernels/direct.py plans
+the kernels' launches, kernels/cuda.py and kernels/metal.py run them.
 """
 
 from __future__ import annotations
@@ -20,10 +22,20 @@ import os
 
 import mlx.core as mx
 
+from kernels import cuda, metal
+from kernels.call import PagedAttentionCall
+from kernels.direct import (
+    ROWS_PER_BLOCK,
+    kernel_supports,
+    mma_serves,
+    plan_launch,
+    split_count,
+)
 from kernels.errors import BackendUnavailable
 from kernels.layout import PageLayout
 from kernels.partitioned import partition_size, partitioned_attention
 from kernels.reference import reference_attention
+from kernels.tuning import DirectTuning, environment_tuning
 
 IMPLEMENTATIONS = ("reference", "partitioned", "cuda", "metal")
 IMPL_ENV = "KVSTORE_ATTENTION_IMPL"
@@ -59,9 +71,11 @@ def default_impl() -> str:
 
 
 def select_impl(
-    impl: str | None, num_queries: int, mask, layout: PageLayout, k_head_dim: int, v_head_dim: int
+    impl: str | None, num_queries: int, mask, layout: PageLayout, k_head_dim: int, v_head_dim: int,
+    *, tuning: DirectTuning | None = None,
 ) -> str:
-    """The implementation that will run one call (see the module docstring)."""
+    """The implementation that will run one call (see the module docstring); tuning None:
+    environment_tuning()."""
     chosen = impl or default_impl()
     if chosen not in IMPLEMENTATIONS:
         raise ValueError(f"impl {chosen!r} is not one of {IMPLEMENTATIONS}")
@@ -71,9 +85,8 @@ def select_impl(
         available = cuda_available() if chosen == "cuda" else metal_available()
         if not available:
             raise BackendUnavailable(f"impl {chosen!r} was asked for but {chosen} is not available here")
-        from kernels.direct import kernel_supports
-
-        if num_queries > KERNEL_MAX_QUERIES or not kernel_supports(layout, k_head_dim, v_head_dim):
+        supported = kernel_supports(layout, k_head_dim, v_head_dim, tuning or environment_tuning())
+        if num_queries > KERNEL_MAX_QUERIES or not supported:
             return "partitioned"
     return chosen
 
@@ -91,42 +104,33 @@ def paged_attention(
     sinks: mx.array | None = None,
     impl: str | None = None,
     partition_tokens: int = 1024,
+    tuning: DirectTuning | None = None,
 ) -> mx.array:
-    """Attention of L new queries over paged (native or packed) K/V history.
+    """Attention of L new queries over paged (native or packed) K/V history: the arguments
+    are PagedAttentionCall's (kernels/call.py has their shapes); returns [B, Hq, L, Dv] in
+    queries.dtype. impl, partition_tokens and tuning as attend()'s."""
+    call = PagedAttentionCall(queries, planes, block_tables, context_lens, layout, scale=scale,
+                              mask=mask, window=window, sinks=sinks)
+    return attend(call, impl=impl, partition_tokens=partition_tokens, tuning=tuning)
 
-    queries [B, Hq, L, Dk] model dtype, unrotated; planes per kernels/layout.py, one layer;
-    block_tables [B, max_blocks] int32; context_lens [B] history lengths including the L new
-    tokens (already written). Returns [B, Hq, L, Dv] in queries.dtype. With mask None all
-    history is visible; "causal" and window restrict by position (see kernels/paging.py).
-    """
-    if isinstance(mask, str) and mask != "causal":
-        raise ValueError(f"unknown mask {mask!r} (expected None, 'causal' or an array)")
-    if window is not None and window <= 0:
-        raise ValueError(f"window must be positive, got {window}")
-    k_head_dim = queries.shape[-1]
-    v_head_dim = _stored_v_head_dim(planes, layout)
-    chosen = select_impl(impl, queries.shape[2], mask, layout, k_head_dim, v_head_dim)
-    common = dict(scale=scale, mask=mask, window=window, sinks=sinks)
+
+def attend(call: PagedAttentionCall, *, impl: str | None = None, partition_tokens: int = 1024,
+           tuning: DirectTuning | None = None) -> mx.array:
+    """Run one call on the implementation select_impl picks. partition_tokens: the
+    partitioned path's partition; tuning: the direct kernels' launch parameters
+    (None: environment_tuning())."""
+    tuning = tuning or environment_tuning()
+    chosen = select_impl(impl, call.num_queries, call.mask, call.layout, call.k_head_dim,
+                         call.v_head_dim, tuning=tuning)
     if chosen == "reference":
-        return reference_attention(queries, planes, block_tables, context_lens, layout, **common)
+        return reference_attention(call)
     if chosen == "partitioned":
-        return partitioned_attention(
-            queries, planes, block_tables, context_lens, layout,
-            partition_tokens=partition_tokens, **common,
-        )
-    from kernels.direct import direct_attention
-
-    return direct_attention(
-        chosen, queries, planes, block_tables, context_lens, layout, **common
-    )
-
-
-def _stored_v_head_dim(planes: dict[str, mx.array], layout: PageLayout) -> int:
-    if layout.packed:
-        return planes["v_codes"].shape[-1] * 8 // layout.v_bits
-    return planes["v"].shape[-1]
-
-
+        return partitioned_attention(call, partition_tokens=partition_tokens)
+    if chosen == "metal":
+        return metal.launch(plan_launch(call, tuning))
+    tensor_cores = call.layout.packed and mma_serves(
+        call.layout, call.k_head_dim, call.v_head_dim, call.queries.dtype, tuning)
+    return cuda.launch(plan_launch(call, tuning, kernel="mma" if tensor_cores else "lane"))
 def workspace_nbytes(
     impl: str,
     n_q_heads: int,
@@ -140,6 +144,7 @@ def workspace_nbytes(
     partition_tokens: int = 1024,
     *,
     model_dtype_nbytes: int = 2,
+    tuning: DirectTuning | None = None,
 ) -> int:
     """Peak temporary bytes one sequence's call allocates beyond its inputs and output
     (an upper estimate, for admission pricing; multiply by the batch size).
@@ -148,7 +153,8 @@ def workspace_nbytes(
                  dtype, plus the scores [Hq, L, T] in float32.
     partitioned: the same for one partition of partition_tokens, plus the running triple;
                  on a GPU, every partition's (see below).
-    cuda/metal:  the split-K partials [Hq, L, splits, Dv + 2] float32 and the rotated queries.
+    cuda/metal:  the split-K partials [Hq, L, splits, Dv + 2] float32 and the rotated queries
+                 (splits as tuning plans them; None: environment_tuning()).
     """
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl {impl!r} is not one of {IMPLEMENTATIONS}")
@@ -156,15 +162,16 @@ def workspace_nbytes(
     queries_f32 = rows * k_head_dim * 4
     triple = rows * (v_head_dim + 2) * 4
     if impl in ("cuda", "metal"):
-        from kernels.direct import MMA_TARGET_BLOCKS, ROWS_PER_BLOCK, split_count
-
+        tuning = tuning or environment_tuning()
         # the lane-group kernel's splits, or (CUDA, packed pages) the tensor-core kernel's,
         # whichever is larger: the query dtype that picks between them is not known here
         group_rows = num_queries * (n_q_heads // n_kv_heads)
-        splits = split_count(1, n_kv_heads, math.ceil(group_rows / ROWS_PER_BLOCK), context_len)
+        splits = split_count(1, n_kv_heads, math.ceil(group_rows / ROWS_PER_BLOCK), context_len,
+                             tuning.target_blocks)
         if impl == "cuda" and layout.packed:
             mma_chunks = math.ceil(group_rows / (16 if group_rows > 8 and k_head_dim <= 128 else 8))
-            splits = max(splits, split_count(1, n_kv_heads, mma_chunks, context_len + 16, MMA_TARGET_BLOCKS))
+            splits = max(splits, split_count(1, n_kv_heads, mma_chunks, context_len + 16,
+                                             tuning.mma_target_blocks))
         return queries_f32 + rows * splits * (v_head_dim + 2) * 4
 
     def expansion(tokens: int) -> int:
@@ -186,9 +193,8 @@ def workspace_nbytes(
     window_tokens = min(context_len, partition_size(partition_tokens, block_size))
     if mx.default_device() == mx.gpu:
         # A GPU backend hands a temporary's memory back only once the kernels that read it
-        # have run, so within one evaluation the partitions' temporaries can all be alive:
-        # on the H200, k4v4 L=512 T=2048 (two partitions) peaked at 92 MB against 61 MB on
-        # the CPU, and one run went over the one-partition price. Priced per partition there.
+        # have run, so within one evaluation the partitions' temporaries can all be alive
+        # (measured: docs/kernels.md, Workspace). Priced per partition there.
         partitions = math.ceil(context_len / window_tokens)
         return queries_f32 + partitions * (triple + expansion(window_tokens))
     return queries_f32 + triple + expansion(window_tokens)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels import direct
+from kernels import cuda_mma
+from kernels.launch import LaunchPlan, run_split_merge
 from kernels.sources import kernel_source
 
 # the placeholders of cuda_lane_split.cu per layout kind: the page-data type of
@@ -60,10 +61,9 @@ def merge_kernel():
     return _KERNELS["merge"]
 
 
-def launch(plan: direct.LaunchPlan) -> mx.array:
-    """Run the split and merge kernels of one planned call; returns [B, Hq, L, Dv]."""
+def launch(plan: LaunchPlan) -> mx.array:
+    """Run the split kernel the plan names ("lane" or "mma") and the merge kernel; returns
+    [B, Hq, L, Dv]."""
     if plan.kernel == "mma":
-        from kernels import cuda_mma
-
-        return direct.run_split_merge(plan, cuda_mma.split_kernel(plan.shared_memory), merge_kernel())
-    return direct.run_split_merge(plan, _split_kernel(plan.packed), merge_kernel())
+        return run_split_merge(plan, cuda_mma.split_kernel(plan.shared_memory), merge_kernel())
+    return run_split_merge(plan, _split_kernel(plan.packed), merge_kernel())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels import direct
+from kernels.launch import LaunchPlan, run_split_merge
 from kernels.sources import kernel_source, source_sections
 
 _KERNELS: dict[tuple, object] = {}
@@ -49,6 +49,6 @@ def _merge_kernel():
     return _KERNELS["merge"]
 
 
-def launch(plan: direct.LaunchPlan) -> mx.array:
+def launch(plan: LaunchPlan) -> mx.array:
     """Run the split and merge kernels of one planned call; returns [B, Hq, L, Dv]."""
-    return direct.run_split_merge(plan, _split_kernel(plan.packed), _merge_kernel())
+    return run_split_merge(plan, _split_kernel(plan.packed), _merge_kernel())

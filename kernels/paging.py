@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from kernels.call import PagedAttentionCall
 from kernels.hadamard import rotate
 from kernels.layout import PageLayout
 from kernels.quant import dequantize
@@ -49,13 +50,10 @@ class AttentionShape:
         return self.n_q_heads // self.n_kv_heads
 
 
-def check_shape(
-    queries: mx.array,
-    planes: dict[str, mx.array],
-    block_tables: mx.array,
-    context_lens: list[int],
-    layout: PageLayout,
-) -> AttentionShape:
+def check_shape(call: PagedAttentionCall) -> AttentionShape:
+    """The call's geometry, or AttentionShapeError naming what does not fit together."""
+    queries, planes, block_tables, layout = call.queries, call.planes, call.block_tables, call.layout
+    context_lens = call.context_lens
     if queries.ndim != 4:
         raise AttentionShapeError(f"queries must be [B, Hq, L, D], got shape {queries.shape}")
     batch, n_q_heads, num_queries, k_head_dim = queries.shape

@@ -24,6 +24,7 @@ import math
 
 import mlx.core as mx
 
+from kernels.call import PagedAttentionCall
 from kernels.layout import PageLayout
 from kernels.paging import (
     check_shape,
@@ -36,23 +37,14 @@ from kernels.paging import (
 )
 
 
-def partitioned_attention(
-    queries: mx.array,
-    planes: dict[str, mx.array],
-    block_tables: mx.array,
-    context_lens: list[int],
-    layout: PageLayout,
-    *,
-    scale: float,
-    mask=None,
-    window: int | None = None,
-    sinks: mx.array | None = None,
-    partition_tokens: int = 1024,
-) -> mx.array:
+def partitioned_attention(call: PagedAttentionCall, partition_tokens: int = 1024) -> mx.array:
     """queries [B, Hq, L, Dk] -> [B, Hq, L, Dv] in queries.dtype (float32 math)."""
-    if mask is not None and not (isinstance(mask, str) and mask == "causal"):
+    if call.array_mask:
         raise ValueError("partitioned attention takes mask None or 'causal' (array masks: reference)")
-    shape = check_shape(queries, planes, block_tables, context_lens, layout)
+    shape = check_shape(call)
+    queries, planes, block_tables, layout = call.queries, call.planes, call.block_tables, call.layout
+    context_lens, scale, mask, window, sinks = (call.context_lens, call.scale, call.mask, call.window,
+                                                call.sinks)
     block_size = shape.block_size
     partition_tokens = partition_size(partition_tokens, block_size)
     causal = mask == "causal" or window is not None

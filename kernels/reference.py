@@ -19,7 +19,7 @@ import math
 
 import mlx.core as mx
 
-from kernels.layout import PageLayout
+from kernels.call import PagedAttentionCall
 from kernels.paging import (
     check_shape,
     clean_block_ids,
@@ -30,20 +30,12 @@ from kernels.paging import (
 )
 
 
-def reference_attention(
-    queries: mx.array,
-    planes: dict[str, mx.array],
-    block_tables: mx.array,
-    context_lens: list[int],
-    layout: PageLayout,
-    *,
-    scale: float,
-    mask=None,
-    window: int | None = None,
-    sinks: mx.array | None = None,
-) -> mx.array:
+def reference_attention(call: PagedAttentionCall) -> mx.array:
     """queries [B, Hq, L, Dk] -> [B, Hq, L, Dv] in queries.dtype."""
-    shape = check_shape(queries, planes, block_tables, context_lens, layout)
+    shape = check_shape(call)
+    queries, planes, block_tables, layout = call.queries, call.planes, call.block_tables, call.layout
+    context_lens, scale, mask, window, sinks = (call.context_lens, call.scale, call.mask, call.window,
+                                                call.sinks)
     total = shape.max_context
     num_blocks = math.ceil(total / shape.block_size)
     block_ids = clean_block_ids(block_tables, context_lens, shape.block_size, 0, num_blocks)

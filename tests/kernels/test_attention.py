@@ -34,9 +34,11 @@ from kernels.attention import (
     select_impl,
     workspace_nbytes,
 )
+from kernels.call import PagedAttentionCall
 from kernels.errors import BackendUnavailable
 from kernels.layout import PageLayout
 from kernels.partitioned import partitioned_attention
+from kernels.tuning import DirectTuning
 from tests.kernels.pages import LAYOUTS, make_case
 
 SOAK = os.environ.get("KVSTORE_SOAK") == "1"
@@ -107,6 +109,11 @@ def run(case, impl, **options):
     )
 
 
+def case_call(case, **options) -> PagedAttentionCall:
+    return PagedAttentionCall(case.queries, case.planes, case.block_tables, case.context_lens,
+                              case.layout, **options)
+
+
 def max_error(a: mx.array, b: mx.array) -> float:
     return mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
 
@@ -157,30 +164,26 @@ def test_long_splits_keep_relative_precision(impl, layout, contexts):
 # issue turned off), and rings deeper than static shared memory allows (dynamic shared memory,
 # which MLX opts the kernel in to). The plan is checked everywhere; the kernel on CUDA.
 SHARED_LAYOUTS = [
-    # direct.py overrides, layout, GQA ratio, queries L, expected (queries separate, dynamic)
+    # DirectTuning fields over 4 warps, layout, GQA ratio, queries L, expected (queries separate, dynamic)
     ({}, "k4v4-rot-f16", 4, 1, (True, False)),
-    ({"MMA_EARLY_ISSUE": False}, "k4v4-rot-f16", 4, 1, (False, False)),
-    ({"MMA_STAGES": 2}, "k8v8-f16", 8, 2, (False, False)),  # 16 rows per block: no room beside the rings
-    ({"MMA_STAGES": 8}, "k4v4-rot-f16", 4, 1, (True, True)),
-    ({"MMA_WARPS": 6}, "k4v4-rot-f16", 4, 1, (True, True)),  # the shipped 6 warps: 4 steps need 60 KB
-    ({"MMA_STAGES": 8, "MMA_SUB": 2, "MMA_RAW": False}, "k8v4-rot", 4, 3, (True, True)),
+    ({"mma_early_issue": False}, "k4v4-rot-f16", 4, 1, (False, False)),
+    ({"mma_stages": 2}, "k8v8-f16", 8, 2, (False, False)),  # 16 rows per block: no room beside the rings
+    ({"mma_stages": 8}, "k4v4-rot-f16", 4, 1, (True, True)),
+    ({"mma_warps": 6}, "k4v4-rot-f16", 4, 1, (True, True)),  # the shipped 6 warps: 4 steps need 60 KB
+    ({"mma_stages": 8, "mma_sub": 2, "mma_raw": False}, "k8v4-rot", 4, 3, (True, True)),
 ]
 
 
 @pytest.mark.parametrize("overrides,layout,gqa,queries,expected", SHARED_LAYOUTS,
                          ids=["separate", "overlaid", "overlaid-16-rows", "dynamic", "dynamic-6-warps", "dynamic-pairs"])
-def test_tensor_core_shared_layouts(monkeypatch, overrides, layout, gqa, queries, expected):
+def test_tensor_core_shared_layouts(overrides, layout, gqa, queries, expected):
     from kernels import direct
 
-    base = dict(MMA_WARPS=4, MMA_STAGES=None, MMA_SUB=None, MMA_RAW=True, MMA_EARLY_ISSUE=True,
-                MMA_SHARED_BYTES=96 * 1024)
-    for name, value in {**base, **overrides}.items():  # independent of $KVSTORE_DIRECT_TUNING
-        monkeypatch.setattr(direct, name, value)
+    tuning = DirectTuning(**{"mma_warps": 4, **overrides})  # explicit: independent of the environment
     case = make_case(layout, head_dim=128, n_kv_heads=2, gqa=gqa, block_size=16,
                      context_lens=[3000, 1100], num_queries=queries)
     options = dict(scale=128**-0.5, mask="causal" if queries > 1 else None)
-    plan = direct.plan_launch(case.queries, case.planes, case.block_tables, case.context_lens,
-                              case.layout, kernel="mma", **options)
+    plan = direct.plan_launch(case_call(case, **options), tuning, kernel="mma")
     template = dict(plan.split_template)
     assert (template["QSEP"], plan.shared_memory > 0) == expected
     assert template["SMEM"] == plan.shared_memory
@@ -188,7 +191,7 @@ def test_tensor_core_shared_layouts(monkeypatch, overrides, layout, gqa, queries
     if not cuda_available():
         pytest.skip("plan checked; the tensor-core kernel itself runs on CUDA only")
     expected_out = run(case, "reference", **options)
-    got = run(case, "cuda", **options)
+    got = run(case, "cuda", tuning=tuning, **options)
     assert max_error(got, expected_out) <= TOLERANCE[case.queries.dtype]
 
 
@@ -307,9 +310,9 @@ def test_dispatch(monkeypatch):
 def test_partition_size_does_not_change_the_result():
     case = make_case("k8v4-rot", head_dim=64, n_kv_heads=2, gqa=4, block_size=16,
                      context_lens=[700, 311], num_queries=3, seed=2)
+    call = case_call(case, scale=0.125, mask="causal")
     outs = [
-        partitioned_attention(case.queries, case.planes, case.block_tables, case.context_lens,
-                              case.layout, scale=0.125, mask="causal", partition_tokens=size)
+        partitioned_attention(call, partition_tokens=size)
         for size in (16, 100, 256, 4096)  # 100 rounds up to 112 (7 blocks)
     ]
     for out in outs[1:]:

@@ -44,6 +44,7 @@ from kernels.attention import default_impl, paged_attention
 from kernels.hadamard import rotate
 from kernels.layout import PageLayout
 from kernels.quant import quantize
+from kernels.tuning import environment_tuning
 from tools.bench.common import machine_line
 
 N_Q_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -229,8 +230,8 @@ def bench_case(batch, tokens, args, direct_impl, quantized_sdpa, rows, copy_bps)
             if method == "reference" and args.skip_reference:
                 continue
             def call(q, planes=planes, tables=tables, lens=lens, layout=layout, impl=impl):
-                return paged_attention(q, planes, tables, lens, layout, scale=scale,
-                                       impl=impl, partition_tokens=args.partition_tokens)
+                return paged_attention(q, planes, tables, lens, layout, scale=scale, impl=impl,
+                                       partition_tokens=args.partition_tokens, tuning=args.direct_tuning)
 
             name = method if method == "reference" else f"direct:{impl}"
             cases[f"{name} {fmt}"] = (name, fmt, page_bytes, call)
@@ -287,15 +288,14 @@ def main(argv=None) -> int:
     parser.add_argument("--partition-tokens", type=int, default=1024)
     parser.add_argument("--impl", help="direct implementation (default: dispatch)")
     parser.add_argument("--skip-reference", action="store_true")
-    parser.add_argument("--tuning", help="direct kernel unroll,warps,target_blocks[,dims_per_lane]")
+    parser.add_argument("--tuning", help="direct kernel launch parameters over the environment's: "
+                                         "unroll,warps,target_blocks[,dims_per_lane[,mma_warps,...]] "
+                                         "(kernels/tuning.py)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
 
     on_gpu = mx.default_device() == mx.gpu
-    if args.tuning:
-        from kernels import direct
-
-        direct.apply_tuning(args.tuning)
+    args.direct_tuning = environment_tuning().parse(args.tuning) if args.tuning else None
     direct_impl = args.impl or default_impl()
     if args.contexts:
         contexts = [int(x) for x in args.contexts.split(",")]

@@ -1,22 +1,28 @@
-"""Run on the H200 (not collected by pytest): where the time of one k4v4 decode call goes.
+"""Run on the H200: where the time of one k4v4 decode call goes.
 
 Times (eval of --inner calls built beforehand, median of repeats) against context length:
 dense SDPA, the tensor-core split kernel alone, split + merge, a plain streaming read of the
 same page bytes through mx.fast.cuda_kernel (the bandwidth floor for this launch path) and
 an empty kernel (the launch floor); then the tensor-core kernel's launch parameters.
 
-  python3 tests/kernels/h200_profile.py
-  python3 tests/kernels/h200_profile.py --tune        # launch floors, then TUNINGS against
-                                                      # dense, timed as the benchmark times them
-  python3 tests/kernels/h200_profile.py --tune-8bit   # warps and ring depth for k8v8, k8v4
-  ncu ... python3 tests/kernels/h200_profile.py --ncu # one 128K call, repeated
+From the repository root, with PYTHONPATH=$PWD:
+  python3 tools/bench/profile/h200_profile.py
+  python3 tools/bench/profile/h200_profile.py --tune        # launch floors, then TUNINGS against
+                                                            # dense, timed as the benchmark times them
+  python3 tools/bench/profile/h200_profile.py --tune-8bit   # warps and ring depth for k8v8, k8v4
+  ncu ... python3 tools/bench/profile/h200_profile.py --ncu # one 128K call, repeated
+Tunings are DirectTuning texts (kernels/tuning.py) over the environment's tuning.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 
 from kernels import cuda, cuda_mma, direct
+from kernels.call import PagedAttentionCall
+from kernels.tuning import environment_tuning
 from tests.kernels.pages import make_case
 from tools.bench.attention import timed
 
@@ -29,35 +35,18 @@ def eval_us(fn, repeats: int = 9) -> float:
     return timed(fn, repeats, INNER)[0] * 1e6
 
 
+def case_call(case, queries=None) -> PagedAttentionCall:
+    return PagedAttentionCall(case.queries if queries is None else queries, case.planes, case.block_tables,
+                              case.context_lens, case.layout, scale=128**-0.5)
+
+
 def stream_kernel():
     """A plain streaming read of every page plane (the bandwidth floor of this launch path)."""
     return mx.fast.cuda_kernel(
         name="kvstore_stream_read",
         input_names=["a", "b", "c", "d", "e", "f"],
         output_names=["out"],
-        source=r"""
-  const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-  const size_t stride = (size_t)gridDim.x * blockDim.x;
-  unsigned int acc = 0;
-  const uint4* pa = reinterpret_cast<const uint4*>(a);
-  const uint4* pd = reinterpret_cast<const uint4*>(d);
-  const size_t na = a_shape[0] * a_shape[1] * a_shape[2] * a_shape[3] / 16;
-  const size_t nd = d_shape[0] * d_shape[1] * d_shape[2] * d_shape[3] / 16;
-  for (size_t i = tid; i < na; i += stride) { uint4 r = __ldg(pa + i); acc ^= r.x ^ r.y ^ r.z ^ r.w; }
-  for (size_t i = tid; i < nd; i += stride) { uint4 r = __ldg(pd + i); acc ^= r.x ^ r.y ^ r.z ^ r.w; }
-  const float4* fb = reinterpret_cast<const float4*>(b);
-  const float4* fc = reinterpret_cast<const float4*>(c);
-  const float4* fe = reinterpret_cast<const float4*>(e);
-  const float4* ff = reinterpret_cast<const float4*>(f);
-  const size_t nb = b_shape[0] * b_shape[1] * b_shape[2] * b_shape[3] / 4;
-  float facc = 0.f;
-  for (size_t i = tid; i < nb; i += stride) {
-    float4 x = __ldg(fb + i), y = __ldg(fc + i), z = __ldg(fe + i), w = __ldg(ff + i);
-    facc += x.x + y.y + z.z + w.w;
-  }
-  if (acc == 0x12345678u && facc == 1.2345f) out[0] = 1.f;
-  if (tid == 0) out[1] = 0.f;
-""",
+        source=(Path(__file__).parent / "stream_read.cu").read_text(),
     )
 
 
@@ -70,8 +59,7 @@ def ncu_target() -> None:
     """One 128K k4v4 decode call, repeated: the process `ncu` profiles."""
     case = make_case("k4v4-rot", head_dim=128, n_kv_heads=8, gqa=4, block_size=16,
                      context_lens=[131072], num_queries=1)
-    plan = direct.plan_launch(case.queries, case.planes, case.block_tables, case.context_lens,
-                              case.layout, scale=128**-0.5, kernel="mma")
+    plan = direct.plan_launch(case_call(case), environment_tuning(), kernel="mma")
     for _ in range(5):
         mx.eval(cuda.launch(plan))
 
@@ -96,9 +84,8 @@ def tune_only(repeats: int = 7, layout: str = "k4v4-rot", contexts=(32768, 13107
         fns = {"dense": lambda x, k=keys, v=values: mx.fast.scaled_dot_product_attention(x, k, v, scale=128**-0.5)}
         plans = {}
         for tuning in tunings:
-            direct.apply_tuning(tuning)
-            plans[tuning] = direct.plan_launch(q, case.planes, case.block_tables, case.context_lens,
-                                               case.layout, scale=128**-0.5, kernel="mma")
+            plans[tuning] = direct.plan_launch(case_call(case, q), environment_tuning().parse(tuning),
+                                               kernel="mma")
             mx.eval(plans[tuning].meta)
             fns[tuning] = lambda x, plan=plans[tuning]: cuda.launch(
                 replace(plan, split_inputs=[x, *plan.split_inputs[1:]]))
@@ -142,6 +129,7 @@ def floors() -> None:
 
 def main() -> None:
     print("device", mx.default_device())
+    tuning = environment_tuning()
     STREAM, EMPTY = stream_kernel(), empty_kernel()
     one = mx.zeros((1,), mx.float32)
     print(f"empty kernel: {eval_us(lambda: EMPTY(inputs=[one], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.float32])[0]):.1f} us")
@@ -155,8 +143,7 @@ def main() -> None:
         q = case.queries.astype(mx.bfloat16)
         mx.eval(keys, values, q)
         dense = eval_us(lambda: mx.fast.scaled_dot_product_attention(q, keys, values, scale=128**-0.5))
-        plan = direct.plan_launch(q, case.planes, case.block_tables, case.context_lens, case.layout,
-                                  scale=128**-0.5, kernel="mma")
+        plan = direct.plan_launch(case_call(case, q), tuning, kernel="mma")
         mx.eval(plan.meta)
         split = cuda_mma.split_kernel(plan.shared_memory)
 
@@ -191,17 +178,15 @@ def main() -> None:
               f"split+merge {full:.1f} us, splits {plan.num_splits} | stream read of the pool "
               f"({total_pool / 1e6:.0f} MB) {stream:.1f} us = {total_pool / stream / 1e3:.0f} GB/s", flush=True)
         if tokens in (32768, 131072) and TUNE:
-            for tuning in ("2,4,264,16,4,528,0,0", "2,4,264,16,4,264,0,4", "2,4,264,16,4,396,0,4",
+            for text in ("2,4,264,16,4,528,0,0", "2,4,264,16,4,264,0,4", "2,4,264,16,4,396,0,4",
                            "2,4,264,16,4,528,0,4", "2,4,264,16,4,792,0,4", "2,4,264,16,4,528,0,3",
                            "2,4,264,16,4,528,0,2", "2,4,264,16,8,264,0,2", "2,4,264,16,8,528,0,2",
                            "2,4,264,16,2,528,0,4", "2,4,264,16,2,1056,0,4"):
-                direct.apply_tuning(tuning)
-                p2 = direct.plan_launch(q, case.planes, case.block_tables, case.context_lens,
-                                        case.layout, scale=128**-0.5, kernel="mma")
+                p2 = direct.plan_launch(case_call(case, q), environment_tuning().parse(text), kernel="mma")
                 mx.eval(p2.meta)
-                print(f"  tune {tuning}: split+merge {eval_us(lambda: cuda.launch(p2)):.1f} us "
+                print(f"  tune {text}: split+merge {eval_us(lambda: cuda.launch(p2)):.1f} us "
                       f"(splits {p2.num_splits})", flush=True)
-            direct.apply_tuning("2,4,264,16,4,528,0,4")
+            tuning = environment_tuning().parse("2,4,264,16,4,528,0,4")  # for the longer contexts
 
 
 if __name__ == "__main__":

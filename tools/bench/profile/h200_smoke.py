@@ -1,7 +1,9 @@
-"""Run on the H200 (not collected by pytest): compile the CUDA kernels, check a few cases
-against the reference, then time k4v4 decode (and its parts) over launch parameters.
+"""Run on the H200: compile the CUDA kernels, check a few cases against the reference, then
+time k4v4 decode (and its parts) over launch parameters. From the repository root:
 
-  python3 tests/kernels/h200_smoke.py [--tune]
+  PYTHONPATH=$PWD python3 tools/bench/profile/h200_smoke.py [--tune [BEST_FILE]]
+
+Exits 1 when a case is off the reference by 3e-2 or more (the bf16 tolerance).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import mlx.core as mx
 
 from kernels import cuda, direct
 from kernels.attention import paged_attention
+from kernels.call import PagedAttentionCall
+from kernels.tuning import DirectTuning, environment_tuning
 from tests.kernels.pages import make_case
 
 
@@ -65,17 +69,18 @@ def k4v4_case(tokens):
     return CASES[tokens]
 
 
-def time_call(tokens: int) -> float:
+def time_call(tokens: int, tuning: DirectTuning | None = None) -> float:
     case = k4v4_case(tokens)
     return median_us(lambda: paged_attention(case.queries, case.planes, case.block_tables,
                                              case.context_lens, case.layout, impl="cuda",
-                                             scale=128**-0.5))
+                                             scale=128**-0.5, tuning=tuning))
 
 
 def time_parts(tokens: int) -> str:
     case = k4v4_case(tokens)
-    plan = direct.plan_launch(case.queries, case.planes, case.block_tables, case.context_lens,
+    call = PagedAttentionCall(case.queries, case.planes, case.block_tables, case.context_lens,
                               case.layout, scale=128**-0.5)
+    plan = direct.plan_launch(call, environment_tuning())
     mx.eval(plan.meta)
     launch = median_us(lambda: cuda.launch(plan))
     host = median_us(lambda: mx.array([1, 2, 3, tokens], dtype=mx.int32) + 1)
@@ -95,8 +100,8 @@ if __name__ == "__main__":
         for tuning in ("2,4,264,16,4,264,1", "2,4,264,16,4,528,1", "2,4,264,16,4,1056,1",
                        "2,4,264,16,8,264,1", "2,4,264,16,8,528,1", "2,4,264,16,4,528,0",
                        "2,4,264,16,4,1056,0", "2,4,264,16,8,1056,0", "2,4,264,16,2,1056,1"):
-            direct.apply_tuning(tuning)
-            mid, long = time_call(32768), time_call(131072)
+            chosen = environment_tuning().parse(tuning)
+            mid, long = time_call(32768, chosen), time_call(131072, chosen)
             results.append((long + mid, tuning))
             print(f"tune {tuning} (unroll,warps,target_blocks,dims_per_lane,mma_warps,"
                   f"mma_target_blocks,mma_pipe): "

@@ -1,0 +1,56 @@
+"""LaunchPlan, and the two launches (split, merge) both direct backends run from one.
+
+kernels/direct.py builds plans; kernels/cuda.py and kernels/metal.py compile the kernels and
+call run_split_merge with them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass
+class LaunchPlan:
+    """Everything cuda.launch / metal.launch need for one call."""
+
+    packed: bool
+    kernel: str  # "lane" (kernels/cuda.py, kernels/metal.py) or "mma" (kernels/cuda_mma.py)
+    batch: int
+    head_dim: int
+    num_splits: int
+    grid_y: int  # Hkv * row chunks
+    threads: int
+    split_inputs: list
+    split_template: list
+    merge_template: list
+    meta: mx.array
+    sinks: mx.array
+    partial_shape: tuple  # (B * Hq * L, num_splits)
+    output_shape: tuple
+    output_dtype: mx.Dtype
+    shared_memory: int = 0  # dynamic shared bytes of the split kernel (0: static only)
+
+
+def run_split_merge(plan: LaunchPlan, split_kernel, merge_kernel) -> mx.array:
+    """Split-K partials (output [.., head_dim] and the running max/sum [.., 2], float32),
+    then the merge into [B, Hq, L, Dv]. The kernels are the backend's own
+    (mx.fast.cuda_kernel or mx.fast.metal_kernel objects)."""
+    part_o, part_ml = split_kernel(
+        inputs=plan.split_inputs,
+        template=plan.split_template,
+        grid=(plan.num_splits * plan.threads, plan.grid_y, plan.batch),
+        threadgroup=(plan.threads, 1, 1),
+        output_shapes=[plan.partial_shape + (plan.head_dim,), plan.partial_shape + (2,)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    (result,) = merge_kernel(
+        inputs=[part_o, part_ml, plan.sinks, plan.meta],
+        template=plan.merge_template,
+        grid=(plan.partial_shape[0] * plan.head_dim, 1, 1),
+        threadgroup=(plan.head_dim, 1, 1),
+        output_shapes=[plan.output_shape],
+        output_dtypes=[plan.output_dtype],
+    )
+    return result

@@ -1,0 +1,110 @@
+"""PagedAttentionCall and DirectTuning: the call and the tuning are values passed in, and
+kernels/attention.py alone picks the kernel. Runs everywhere (plans only, no GPU)."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from kernels import attention, direct
+from kernels.attention import paged_attention, workspace_nbytes
+from kernels.call import PagedAttentionCall
+from kernels.layout import PageLayout
+from kernels.tuning import MMA_ENV, MMA_RAW_ENV, TUNING_ENV, DirectTuning, environment_tuning
+from tests.kernels.pages import make_case
+
+KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+
+
+def test_call_is_a_frozen_value():
+    case = make_case("k4v4", head_dim=64, n_kv_heads=2, gqa=2, block_size=16, context_lens=[40],
+                     num_queries=1)
+    call = PagedAttentionCall(case.queries, case.planes, case.block_tables, [40], case.layout, scale=0.1)
+    assert call.context_lens == (40,) and (call.num_queries, call.k_head_dim, call.v_head_dim) == (1, 64, 64)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        call.scale = 1.0
+    with pytest.raises(ValueError, match="unknown mask"):
+        PagedAttentionCall(case.queries, case.planes, case.block_tables, [40], case.layout, scale=0.1, mask="full")
+
+
+def test_tuning_text_fills_fields_in_order():
+    tuning = DirectTuning().parse("1,8,132,8,4,528,0,2,1,0,0")
+    assert tuning == DirectTuning(unroll=1, num_warps=8, target_blocks=132, dims_per_lane=8, mma_warps=4,
+                                  mma_target_blocks=528, mma_pipe=False, mma_stages=2, mma_sub=1,
+                                  mma_raw=False, mma_early_issue=False)
+    assert DirectTuning(mma_raw=False).parse("2,4,264").mma_raw is False  # fields not given stay
+
+
+@pytest.mark.parametrize("text", ["2,x,264", "2,4", "2,4,264,16,6", "0,4,264", ",".join(["1"] * 12)])
+def test_bad_tuning_text_is_refused(text):
+    with pytest.raises(ValueError):
+        DirectTuning().parse(text)
+
+
+def test_environment_tuning_is_read_when_asked(monkeypatch):
+    for name in (TUNING_ENV, MMA_ENV, MMA_RAW_ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert environment_tuning() == DirectTuning()
+    monkeypatch.setenv(TUNING_ENV, "1,8,528")
+    monkeypatch.setenv(MMA_ENV, "0")
+    monkeypatch.setenv(MMA_RAW_ENV, "0")
+    assert environment_tuning() == DirectTuning(unroll=1, num_warps=8, target_blocks=528, mma=False, mma_raw=False)
+    # callers that pass no tuning see the environment as it is now, not as it was at import
+    layout = PageLayout(4, 4)
+    args = dict(n_q_heads=32, n_kv_heads=8, num_queries=1, k_head_dim=128, v_head_dim=128,
+                context_len=1 << 17, block_size=16, layout=layout)
+    wide = workspace_nbytes("metal", **args)
+    monkeypatch.setenv(TUNING_ENV, "1,8,66")
+    assert workspace_nbytes("metal", **args) < wide
+    assert workspace_nbytes("metal", **args, tuning=DirectTuning(target_blocks=528)) == wide
+
+
+def test_tuning_reaches_the_plan():
+    case = make_case("k4v4-rot-f16", head_dim=128, n_kv_heads=2, gqa=4, block_size=16,
+                     context_lens=[3000], num_queries=1)
+    call = PagedAttentionCall(case.queries, case.planes, case.block_tables, case.context_lens,
+                              case.layout, scale=128**-0.5)
+    lane = [dict(direct.plan_launch(call, DirectTuning(unroll=u, num_warps=w)).split_template)
+            for u, w in ((2, 4), (1, 8))]
+    assert (lane[0]["UNROLL"], lane[0]["NUM_WARPS"], lane[1]["UNROLL"], lane[1]["NUM_WARPS"]) == (2, 4, 1, 8)
+    mma = direct.plan_launch(call, DirectTuning(mma_warps=4, mma_stages=2), kernel="mma")
+    assert (dict(mma.split_template)["NUM_WARPS"], dict(mma.split_template)["STAGES"], mma.threads) == (4, 2, 128)
+
+
+@pytest.mark.parametrize("layout,tuning,kernel", [
+    ("k4v4-rot-f16", DirectTuning(), "mma"),       # packed, fp16 queries: tensor cores
+    ("k4v4-rot-f16", DirectTuning(mma=False), "lane"),
+    ("k4v4", DirectTuning(), "mma"),               # bf16 queries
+    ("bf16", DirectTuning(), "lane"),              # native pages
+])
+def test_attention_picks_the_cuda_kernel(monkeypatch, layout, tuning, kernel):
+    """kernels/attention.py alone decides which split kernel a CUDA call runs."""
+    launched = []
+    monkeypatch.setattr(attention, "cuda_available", lambda: True)
+    monkeypatch.setattr(attention.cuda, "launch", lambda plan: launched.append(plan) or plan.output_shape)
+    case = make_case(layout, head_dim=128, n_kv_heads=2, gqa=4, block_size=16, context_lens=[300],
+                     num_queries=1)
+    shape = paged_attention(case.queries, case.planes, case.block_tables, case.context_lens, case.layout,
+                            scale=0.1, impl="cuda", tuning=tuning)
+    assert [plan.kernel for plan in launched] == [kernel] and shape == (1, 8, 1, 128)
+
+
+def test_kernels_keep_no_module_state_set_through_global():
+    offenders = [f"{path.name}:{node.lineno}" for path in sorted(KERNELS.glob("*.py"))
+                 for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Global)]
+    assert not offenders, f"`global` statements in kernels/: {offenders}"
+
+
+def test_float32_queries_keep_the_lane_kernel(monkeypatch):
+    launched = []
+    monkeypatch.setattr(attention, "cuda_available", lambda: True)
+    monkeypatch.setattr(attention.cuda, "launch", lambda plan: launched.append(plan.kernel))
+    case = make_case("k8v8", head_dim=128, n_kv_heads=2, gqa=4, block_size=16, context_lens=[300],
+                     num_queries=1)
+    paged_attention(case.queries.astype(mx.float32), case.planes, case.block_tables, case.context_lens,
+                    case.layout, scale=0.1, impl="cuda")
+    assert launched == ["lane"]
