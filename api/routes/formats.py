@@ -16,7 +16,7 @@ FormatIdPath = Annotated[str, Path(pattern=HEX64_PATTERN,
                                    description="64 hex: blake3 of the canonical identity")]
 
 
-@router.put("/{format_id}", response_model=FormatPut, responses=documented(*BODY, 507))
+@router.put("/{format_id}", response_model=FormatPut, responses=documented(*BODY, 409, 507))
 def put_format(body: FormatBody, format_id: FormatIdPath, store: StoreDep) -> FormatPut:
     identity = FormatIdentity.from_dict(body.model_dump())
     if identity.format_id_hex != format_id:

@@ -88,7 +88,9 @@ async def put_pages(request: Request, store: StoreDep, settings: SettingsDep,
     return PutPages(new=result.new, existing=result.existing, stored_nbytes=result.stored_nbytes)
 
 
-@router.post("/get", response_class=PageStreamResponse, status_code=200, responses={
+# No response_class: FastAPI would document the errors (JSON) under the stream's media
+# type. The 200 names the stream explicitly; the route returns a PageStreamResponse.
+@router.post("/get", status_code=200, response_model=None, responses={
     **documented(*BODY, 404, 503), 200: {
     "description": "the page stream (docs/api.md, kvstore/wire.py)",
     "content": {PAGE_STREAM_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}})
