@@ -150,6 +150,7 @@ class _TierResolver:
         self._fingerprint = fingerprint
         self._default_key = (args.model, args.adapter_path, args.draft_model)
         self._resolved, self._tier = False, None
+        self.threads = []  # TierThreads of the tiers built: closed at shutdown
 
     def __call__(self, model_key):
         if model_key != self._default_key or self._provider.model_key != model_key:
@@ -173,14 +174,18 @@ class _TierResolver:
                                             adapter_dir=args.adapter_path)
         tier = StoreTier(self._provider.model, fingerprint, self._connection.lookup_store,
                          self._connection.publish_store, self._settings, self._metrics)
-        self._metrics.publisher_stats = tier.publish_stats
+        self._metrics.publisher_stats = tier.publisher.stats  # not tier.*: no model ref
+        self.threads.append(tier.threads)
         log.info("store tier (L2) on: %s, namespace %s, model id %s, format %s",
                  self._connection.describe, tier.namespace, tier.model_id,
                  tier.identity.format_id_hex[:16])
         return tier
 
-    def close(self, drain_timeout_s: float) -> None:
-        if self._tier is not None and not self._tier.close(drain_timeout_s):
+
+
+def _close_threads(threads: list, drain_timeout_s: float) -> None:
+    for tier_threads in threads:
+        if not tier_threads.close(drain_timeout_s):
             log.warning("stopped with publications still queued after %.0fs", drain_timeout_s)
 
 
@@ -218,10 +223,15 @@ def serve(argv: list[str], connection: StoreConnection, settings: ServingSetting
             handler_class=None):
         import mlx.core as mx
 
+        # Only the prompt cache holds the resolver (and so the tier, its model and every
+        # L1 entry): mlx-lm's generation thread deletes it when it stops, which frees
+        # them on that thread, as mlx-lm intends. Shutdown keeps only the threads.
         resolver = _TierResolver(model_provider, connection, settings, metrics, fingerprint)
-        prompt_cache = TwoTierPromptCache(model_provider.cli_args.prompt_cache_size,
-                                          resolve_tier=resolver, metrics=metrics)
-        generator = server.ResponseGenerator(model_provider, prompt_cache)
+        threads = resolver.threads
+        generator = server.ResponseGenerator(
+            model_provider, TwoTierPromptCache(model_provider.cli_args.prompt_cache_size,
+                                               resolve_tier=resolver, metrics=metrics))
+        del resolver
         if on_ready is not None:
             on_ready(metrics)
         try:
@@ -231,7 +241,7 @@ def serve(argv: list[str], connection: StoreConnection, settings: ServingSetting
             else:
                 generator.join()
         finally:
-            resolver.close(drain_timeout_s)
+            _close_threads(threads, drain_timeout_s)
 
     # httpx logs every store request at INFO, which mlx-lm's --log-level INFO would print;
     # the per-request line of engine/serving/prompt_cache.py says what matters

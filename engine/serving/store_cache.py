@@ -43,7 +43,6 @@ from typing import Sequence
 
 from mlx_lm.models.cache import KVCache
 
-from engine.models import model_identity
 from engine.policy import KVPolicy
 from engine.publish import capture
 from engine.restore import restore
@@ -51,6 +50,15 @@ from engine.serving.identity import ModelFingerprint
 from engine.writebehind import DEFAULT_CAPACITY_NBYTES, WriteBehindPublisher
 from kvstore.ids import ROOT_KEY, chain_key, check_namespace
 from kvstore.store import PrefixMatch
+
+try:  # issue 18: restore(EngineModel, store, RestoreRequest)
+    from engine.engine_model import EngineModel
+    from engine.restore import RestoreRequest
+except ImportError:  # before issue 18: restore(model, tokens, store, model_id=..., ...)
+    # Transitional, for the one commit range where this module predates issue 18's
+    # EngineModel; delete this branch (and _restore_before_issue_18) once it has landed.
+    EngineModel = RestoreRequest = None
+    from engine.models import model_identity
 
 log = logging.getLogger("kvstore.serve_model")
 
@@ -140,6 +148,36 @@ def unsupported_reason(model, cli_args) -> str | None:
     return None
 
 
+def _fetch(store, format_id: bytes, namespace: str, tokens: list[int], limit: int,
+           better_than: int):
+    """I/O thread: the match, and its page bytes when it beats `better_than`. A plain
+    function of the store: an abandoned (timed-out) call holds no model or cache."""
+    match = store.lookup_prefix(format_id, namespace, tokens, max_tokens=limit)
+    if match.tokens_matched <= better_than:
+        return match, None
+    digests = [d for b in match.blocks for d in b.pages]
+    pages = store.read_pages(digests) if digests else []
+    return match, dict(zip(digests, pages, strict=True))
+
+
+@dataclass
+class TierThreads:
+    """The threads a StoreTier runs, apart from the tier itself: whoever stops the
+    server closes these without holding the tier, whose model and MLX arrays must be
+    freed on mlx-lm's generation thread (mlx-lm deletes its prompt cache there, and
+    freeing MLX arrays at interpreter exit instead can abort the process)."""
+
+    publisher: WriteBehindPublisher
+    io: ThreadPoolExecutor
+
+    def close(self, drain_timeout_s: float) -> bool:
+        """Upload what is queued (up to drain_timeout_s), then stop. True if all went."""
+        drained = self.publisher.drain(drain_timeout_s)
+        self.publisher.close(drain=False, timeout=1.0)
+        self.io.shutdown(wait=False, cancel_futures=True)
+        return drained
+
+
 class _LRUSet:
     def __init__(self, capacity: int):
         self._items: OrderedDict = OrderedDict()
@@ -167,12 +205,17 @@ class StoreTier:
         self.settings = settings
         self.metrics = metrics
         self.namespace = settings.namespace or fingerprint.default_namespace
-        self.identity = model_identity(model, settings.policy, model_id=fingerprint.model_id,
-                                       tokenizer_fingerprint=fingerprint.tokenizer_fingerprint)
+        if EngineModel is not None:
+            self.engine_model = EngineModel(model, fingerprint.model_id, policy=settings.policy,
+                                            tokenizer_fingerprint=fingerprint.tokenizer_fingerprint)
+            self.identity = self.engine_model.identity
+        else:
+            self.engine_model = None
+            self.identity = model_identity(model, settings.policy, model_id=fingerprint.model_id,
+                                           tokenizer_fingerprint=fingerprint.tokenizer_fingerprint)
         self.model_id = fingerprint.model_id
         self.block_size = self.identity.block_size_tokens
         self._lookup_store = lookup_store
-        self._io = ThreadPoolExecutor(2, thread_name_prefix="kvstore-lookup")
         self._skip_until = 0.0
         self._known = _LRUSet(KNOWN_PREFIXES)   # tail chain keys the store has
         self._seen = _LRUSet(KNOWN_PREFIXES)    # tail chain keys seen once (second sighting)
@@ -181,28 +224,23 @@ class StoreTier:
         self._lock = threading.Lock()
         self.publisher = WriteBehindPublisher(publish_store, namespace=self.namespace,
                                               capacity_nbytes=settings.publish_queue_nbytes)
+        self.threads = TierThreads(self.publisher,
+                                   ThreadPoolExecutor(2, thread_name_prefix="kvstore-lookup"))
 
     # -- lookup --------------------------------------------------------------------
-    def _fetch(self, tokens: list[int], limit: int, better_than: int):
-        """I/O thread: the match, and its page bytes when it beats `better_than`."""
-        match = self._lookup_store.lookup_prefix(self.identity.format_id, self.namespace,
-                                                 tokens, max_tokens=limit)
-        if match.tokens_matched <= better_than:
-            return match, None
-        digests = [d for b in match.blocks for d in b.pages]
-        pages = self._lookup_store.read_pages(digests) if digests else []
-        return match, dict(zip(digests, pages, strict=True))
-
     def lookup(self, tokens: list[int], better_than: int) -> Lookup:
         """The longest stored prefix of `tokens` longer than `better_than` tokens, as
         KVCaches, or a miss. Never raises for store trouble; bounded by the settings."""
         limit = len(tokens) - 1
         if limit <= better_than:
             return Lookup(None, outcome="shorter")
+        if min(tokens) < 0:  # mlx-lm marks image patches with negative ids: not text KV
+            return Lookup(None, outcome="off")
         now = time.monotonic()
         if now < self._skip_until:
             return Lookup(None, outcome="skipped")
-        future = self._io.submit(self._fetch, tokens, limit, better_than)
+        future = self.threads.io.submit(_fetch, self._lookup_store, self.identity.format_id,
+                                        self.namespace, tokens, limit, better_than)
         try:
             match, pages = future.result(timeout=self.settings.lookup_timeout_s)
         except FutureTimeout:
@@ -225,7 +263,15 @@ class StoreTier:
 
     def restore_prefix(self, tokens: list[int], match: PrefixMatch, pages: dict, limit: int):
         """engine.restore over the prefetched pages, into mlx-lm KVCaches."""
-        return restore(self.model, tokens, _Prefetched(match, pages), model_id=self.model_id,
+        store = _Prefetched(match, pages)
+        if self.engine_model is None:
+            return self._restore_before_issue_18(tokens, store, limit)
+        return restore(self.engine_model, store,
+                       RestoreRequest(tokens, max_restore_tokens=limit, cache_kind="kvcache",
+                                      namespace=self.namespace))
+
+    def _restore_before_issue_18(self, tokens, store, limit: int):
+        return restore(self.model, tokens, store, model_id=self.model_id,
                        policy=self.settings.policy, namespace=self.namespace,
                        cache_kind="kvcache", max_tokens=limit,
                        tokenizer_fingerprint=self.identity.tokenizer_fingerprint)
@@ -251,6 +297,8 @@ class StoreTier:
             return "skipped_type"
         if not caches or not all(isinstance(c, KVCache) for c in caches):
             return "skipped_cache"
+        if min(tokens, default=0) < 0:
+            return "skipped_images"
         n = min(len(tokens), min(c.offset for c in caches))
         if n < s.min_tokens:
             return "skipped_short"
@@ -275,12 +323,5 @@ class StoreTier:
         cap = capture(self.identity, tokens, caches)
         return "queued" if self.publisher.submit(cap, namespace=self.namespace) else "dropped"
 
-    def publish_stats(self) -> dict:
-        return self.publisher.stats()
-
     def close(self, drain_timeout_s: float) -> bool:
-        """Upload what is queued (up to drain_timeout_s), then stop. True if all went."""
-        drained = self.publisher.drain(drain_timeout_s)
-        self.publisher.close(drain=False, timeout=1.0)
-        self._io.shutdown(wait=False, cancel_futures=True)
-        return drained
+        return self.threads.close(drain_timeout_s)

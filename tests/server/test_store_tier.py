@@ -51,7 +51,7 @@ def test_published_prefix_restores_bit_exact(loaded, tmp_path):
         caches = prefill(model, TOKENS)
         assert tier.offer(TOKENS, caches, "system") == "queued"
         assert tier.publisher.drain(10)
-        assert tier.publish_stats()["published"] == 1
+        assert tier.publisher.stats()["published"] == 1
         fresh = tier_for(loaded, store)  # another process: nothing remembered
         prompt = TOKENS + [9, 10, 11]
         got = fresh.lookup(prompt, better_than=0)
@@ -90,6 +90,19 @@ def test_policy_segment_types_min_length_second_sighting_budget(loaded, tmp_path
         default = tier_for(loaded, store)
         assert default.offer(TOKENS[: BLOCK - 1], caches, "user") == "skipped_short"
         default.close(1)
+
+
+def test_image_placeholders_are_neither_looked_up_nor_published(loaded, tmp_path):
+    """mlx-lm keys a prompt with images by negative ids per image: not KV of text."""
+    model, _ = loaded
+    caches = prefill(model, TOKENS)
+    with Store(tmp_path / "s") as store:
+        tier = tier_for(loaded, store)
+        with_image = [-5] * 3 + TOKENS[3:]
+        assert tier.offer(with_image, caches, "user") == "skipped_images"
+        assert tier.lookup(with_image, better_than=0).outcome == "off"
+        assert tier.lookup(TOKENS, better_than=0).outcome == "miss"  # the store still serves
+        tier.close(1)
 
 
 def test_another_tokenizer_fingerprint_never_hits(loaded, tmp_path):
