@@ -14,7 +14,8 @@ QuantizedKVCache does not say which of the two it is.
                             reusable offset. trim() never goes below it: a prefix
                             shorter than the conversion is a state no computation had.
 
-make_stock_cache(model) builds mlx-lm's caches with TrackedKVCache for every KVCache;
+make_stock_cache(model) builds mlx-lm's caches with TrackedKVCache for every KVCache
+(to_mlx_lm(caches) gives them back as mlx-lm's own classes, for save_prompt_cache);
 restore's stock targets use it. conversion_offset(caches) is what a publication's
 format identity must name (FormatIdentity.converted_at_token): 0 for caches never
 converted (a QuantizedKVCache built empty, a KVCache, a PagedKVCache). A
@@ -61,6 +62,24 @@ def make_stock_cache(model: nn.Module) -> list:
     KVCache per layer), each plain KVCache replaced by an empty TrackedKVCache."""
     stock = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
     return [TrackedKVCache() if type(c) is KVCache else c for c in stock]
+
+
+def to_mlx_lm(caches: Sequence) -> list:
+    """The same caches as mlx-lm's own classes (the conversion record dropped, the arrays
+    shared, not copied): mlx-lm's save_prompt_cache writes class names that its
+    load_prompt_cache looks up in mlx_lm.models.cache, where these subclasses are not."""
+    out = []
+    for cache in caches:
+        if isinstance(cache, ConvertedQuantizedKVCache):
+            plain = QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
+            plain.keys, plain.values, plain.offset = cache.keys, cache.values, cache.offset
+        elif isinstance(cache, TrackedKVCache):
+            plain = KVCache()
+            plain.keys, plain.values, plain.offset = cache.keys, cache.values, cache.offset
+        else:
+            plain = cache
+        out.append(plain)
+    return out
 
 
 def conversion_offset(caches: Sequence) -> int:

@@ -129,3 +129,22 @@ def test_pages_stored_under_schema_1_are_still_served_unless_their_history_is_un
         with pytest.raises(IncompatibleFormat):
             restore(quantized, store, RestoreRequest(prompt + [1], cache_kind="quantized",
                                                      checkpoint="q"))
+
+
+def test_tracked_caches_save_and_load_with_mlx_lm_as_its_own_classes(tmp_path):
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    from engine.stock import to_mlx_lm
+
+    model = tiny_model("llama", mx.bfloat16)
+    prompt = prompt_tokens(70, seed=73).tolist()
+    with Store(tmp_path / "s") as store:
+        converted = _converted(model, store, prompt, start=32)
+    path = str(tmp_path / "c.safetensors")
+    save_prompt_cache(path, to_mlx_lm(converted))
+    loaded = load_prompt_cache(path)
+    assert [type(c) for c in loaded] == [QuantizedKVCache] * 2
+    for ours, theirs in zip(converted, loaded, strict=True):
+        assert theirs.offset == ours.offset
+        for a, b in zip(ours.keys, theirs.keys, strict=True):
+            assert mx.array_equal(a[..., : ours.offset, :], b[..., : ours.offset, :]).item()
