@@ -43,22 +43,14 @@ from typing import Sequence
 
 from mlx_lm.models.cache import KVCache
 
+from engine.engine_model import EngineModel
 from engine.policy import KVPolicy
 from engine.publish import capture
-from engine.restore import restore
+from engine.restore import RestoreRequest, restore
 from engine.serving.identity import ModelFingerprint
 from engine.writebehind import DEFAULT_CAPACITY_NBYTES, WriteBehindPublisher
 from kvstore.ids import ROOT_KEY, chain_key, check_namespace
 from kvstore.store import PrefixMatch
-
-try:  # issue 18: restore(EngineModel, store, RestoreRequest)
-    from engine.engine_model import EngineModel
-    from engine.restore import RestoreRequest
-except ImportError:  # before issue 18: restore(model, tokens, store, model_id=..., ...)
-    # Transitional, for the one commit range where this module predates issue 18's
-    # EngineModel; delete this branch (and _restore_before_issue_18) once it has landed.
-    EngineModel = RestoreRequest = None
-    from engine.models import model_identity
 
 log = logging.getLogger("kvstore.serve_model")
 
@@ -201,18 +193,12 @@ class StoreTier:
 
     def __init__(self, model, fingerprint: ModelFingerprint, lookup_store, publish_store,
                  settings: ServingSettings, metrics):
-        self.model = model
         self.settings = settings
         self.metrics = metrics
         self.namespace = settings.namespace or fingerprint.default_namespace
-        if EngineModel is not None:
-            self.engine_model = EngineModel(model, fingerprint.model_id, policy=settings.policy,
-                                            tokenizer_fingerprint=fingerprint.tokenizer_fingerprint)
-            self.identity = self.engine_model.identity
-        else:
-            self.engine_model = None
-            self.identity = model_identity(model, settings.policy, model_id=fingerprint.model_id,
-                                           tokenizer_fingerprint=fingerprint.tokenizer_fingerprint)
+        self.engine_model = EngineModel(model, fingerprint.model_id, policy=settings.policy,
+                                        tokenizer_fingerprint=fingerprint.tokenizer_fingerprint)
+        self.identity = self.engine_model.identity
         self.model_id = fingerprint.model_id
         self.block_size = self.identity.block_size_tokens
         self._lookup_store = lookup_store
@@ -263,18 +249,9 @@ class StoreTier:
 
     def restore_prefix(self, tokens: list[int], match: PrefixMatch, pages: dict, limit: int):
         """engine.restore over the prefetched pages, into mlx-lm KVCaches."""
-        store = _Prefetched(match, pages)
-        if self.engine_model is None:
-            return self._restore_before_issue_18(tokens, store, limit)
-        return restore(self.engine_model, store,
+        return restore(self.engine_model, _Prefetched(match, pages),
                        RestoreRequest(tokens, max_restore_tokens=limit, cache_kind="kvcache",
                                       namespace=self.namespace))
-
-    def _restore_before_issue_18(self, tokens, store, limit: int):
-        return restore(self.model, tokens, store, model_id=self.model_id,
-                       policy=self.settings.policy, namespace=self.namespace,
-                       cache_kind="kvcache", max_tokens=limit,
-                       tokenizer_fingerprint=self.identity.tokenizer_fingerprint)
 
     # -- publish -------------------------------------------------------------------
     def tail_key(self, tokens: Sequence[int]) -> bytes:
