@@ -215,3 +215,16 @@ def test_a_client_gone_mid_upload_is_no_server_error(server):
            tracebacks=log.count("Traceback"))
     assert after == before, server.tail()
     assert "unhandled error" not in log and "Traceback" not in log, log
+
+
+def test_no_server_error_across_the_probes(server):
+    """Last in the module: every probe above was refused or served, none a 5xx."""
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text
+    counts: dict[str, int] = {}
+    for status, n in re.findall(r'^kvstore_http_requests_total\{.*status="(\d+)"\} (\d+)$', text, re.M):
+        counts[status] = counts.get(status, 0) + int(n)
+    fivexx = sum(n for s, n in counts.items() if s.startswith("5"))
+    metric("slow_clients_statuses", **{f"s{k}": v for k, v in sorted(counts.items())},
+           total_5xx=fivexx)
+    assert fivexx == 0, counts
+    assert "Traceback" not in server.tail()
