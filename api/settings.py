@@ -16,8 +16,9 @@
                                         # memory at once (others wait); 8 x 64 MiB
     max_uploads_per_token = 4           # KVSTORE_MAX_UPLOADS_PER_TOKEN: of those, one token's
     max_concurrent_reads = 4            # KVSTORE_MAX_CONCURRENT_READS: batch reads at once
-    body_timeout_s = 10.0               # KVSTORE_BODY_TIMEOUT_S: a body's grace before...
-    min_body_bytes_per_s = 1048576      # KVSTORE_MIN_BODY_BYTES_PER_S: ...it must average this
+    body_timeout_s = 10.0               # KVSTORE_BODY_TIMEOUT_S: a body must have arrived
+    min_body_bytes_per_s = 1048576      # KVSTORE_MIN_BODY_BYTES_PER_S: by timeout + bytes /
+                                        # this rate after its first read, or it is a 408
     max_header_nbytes = 65536           # KVSTORE_MAX_HEADER_NBYTES: request line + headers
     max_header_count = 100              # KVSTORE_MAX_HEADER_COUNT: header lines per request
     max_read_decoded_nbytes = 536870912 # KVSTORE_MAX_READ_DECODED_NBYTES: page bytes decoded
@@ -27,7 +28,8 @@
     budget_nbytes = 0                   # KVSTORE_BUDGET_NBYTES: 0 = no eviction budget
     map_nbytes = 1073741824             # KVSTORE_MAP_NBYTES: initial LMDB map
     max_map_nbytes = 1099511627776      # KVSTORE_MAX_MAP_NBYTES
-    reserve_nbytes = 67108864           # KVSTORE_RESERVE_NBYTES: disk kept for deletes and GC
+    reserve_nbytes = 67108864           # KVSTORE_RESERVE_NBYTES: disk (and map limit) kept
+                                        # for deletes, eviction and GC
     s3_bucket = "kv-pages"              # KVSTORE_S3_BUCKET: set it to put the S3 tier
                                         # behind the store (kvstore/tier, docs/distributed.md)
     s3_endpoint = "http://rgw:7480"     # KVSTORE_S3_ENDPOINT; unset = AWS for s3_region
