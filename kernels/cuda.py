@@ -12,10 +12,12 @@ Two launches per call (the algorithm is in kernels/direct.py's docstring):
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
 
 from kernels import cuda_mma
-from kernels.launch import LaunchPlan, run_split_merge
+from kernels.launch import LaunchPlan, compile_lane_split, compile_merge, run_split_merge
 from kernels.sources import kernel_source
 
 # the placeholders of cuda_lane_split.cu per layout kind: the page-data type of
@@ -31,34 +33,15 @@ def split_source(packed: bool) -> str:
     return source
 
 
-_KERNELS: dict[tuple, object] = {}
-
-
+@lru_cache(maxsize=None)
 def _split_kernel(packed: bool):
-    key = ("split", packed)
-    if key not in _KERNELS:
-        planes = ["kc", "ks", "ko", "vc", "vs", "vo"] if packed else ["kc", "vc"]
-        _KERNELS[key] = mx.fast.cuda_kernel(
-            name=f"kvstore_paged_split_{'packed' if packed else 'native'}",
-            input_names=["queries", "signs", *planes, "block_tables", "meta"],
-            output_names=["part_o", "part_ml"],
-            source=split_source(packed),
-            header=kernel_source("cuda_lane.cuh"),
-        )
-    return _KERNELS[key]
+    return compile_lane_split(mx.fast.cuda_kernel, packed, split_source(packed), kernel_source("cuda_lane.cuh"))
 
 
+@lru_cache(maxsize=1)
 def merge_kernel():
     """The merge kernel both CUDA split kernels share."""
-    if "merge" not in _KERNELS:
-        _KERNELS["merge"] = mx.fast.cuda_kernel(
-            name="kvstore_paged_merge",
-            input_names=["part_o", "part_ml", "sinks", "meta"],
-            output_names=["result"],
-            source=kernel_source("cuda_merge.cu"),
-            header=kernel_source("cuda_lane.cuh"),
-        )
-    return _KERNELS["merge"]
+    return compile_merge(mx.fast.cuda_kernel, kernel_source("cuda_merge.cu"), header=kernel_source("cuda_lane.cuh"))
 
 
 def launch(plan: LaunchPlan) -> mx.array:

@@ -27,37 +27,10 @@
   using Raw = {raw};
   __shared__ float sh_s[NGROUPS][XPOSE ? N : 1];
 
-  const int rows_total = meta[0];
-  const int num_queries = meta[1];
-  const int split_tokens = meta[2];
-  const int window = meta[3];
-  const int first_key = meta[4];
-  const int row_chunks = meta[5];
-  float qscale = __int_as_float(meta[6]) * LOG2E;
-
-  const int split = blockIdx.x;
-  const int num_splits = gridDim.x;
-  const int head = blockIdx.y / row_chunks;
-  const int chunk = blockIdx.y % row_chunks;
-  const int batch = blockIdx.z;
-  const int num_kv_heads = kc_shape[1];
-  const int table_width = block_tables_shape[1];
-
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
+#include "split_prologue.cuh"
+  __syncthreads();
   const int sub = lane % GW;
   const int group = warp * GPW + lane / GW;
-
-  const int context = meta[7 + batch];
-  const int start = first_key + split * split_tokens;
-  const int stop = min(context, start + split_tokens);
-
-  // this split's block-table entries, so page addresses never wait on a global load
-  __shared__ int sh_table[TABLE_CAP];
-  const int first_block = start / BLOCK_SIZE;
-  for (int e = threadIdx.x; first_block + e <= (stop - 1) / BLOCK_SIZE && e < TABLE_CAP; e += NUM_WARPS * 32)
-    sh_table[e] = block_tables[batch * table_width + first_block + e];
-  __syncthreads();
 
   // queries of this block's rows, this lane's DPL dims, rotated if ROTATE, log2 domain
   float q[ROWS][DPL];

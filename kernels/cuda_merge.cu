@@ -1,8 +1,8 @@
 // The merge kernel of both CUDA split kernels: the log-sum-exp merge of a row's split
 // partials and its sink, cast to OutT. Template parameters: D, HAS_SINKS, OutT.
   // one block of D threads per output row. The split maxima and weights are reduced by the
-  // whole block first, so the pass over part_o is a loop of independent loads (the serial
-  // per-thread loops this replaces waited on one global load per split, ~10 us at 33 splits)
+  // whole block first, so the pass over part_o is a loop of independent loads, not one
+  // serial global load per split (docs/kernels.md)
   constexpr float LOG2E = 1.4426950408889634f;
   constexpr int CAP = 1024;  // split weights kept in shared memory; later ones are recomputed
   __shared__ float sh_w[CAP];

@@ -11,24 +11,24 @@ cuda_mma_split.cu; measurements are in docs/kernels.md.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
 
+from kernels.launch import SPLIT_OUTPUTS, split_input_names
 from kernels.sources import kernel_source
 
-_SPLIT: dict[int, object] = {}
 
-
+@lru_cache(maxsize=None)
 def split_kernel(shared_memory: int = 0):
     """The mx.fast.cuda_kernel object with `shared_memory` dynamic shared bytes (compiled per
     template on first use; the template's SMEM carries the same number, so kernels of
     different sizes never share a compiled function)."""
-    if shared_memory not in _SPLIT:
-        _SPLIT[shared_memory] = mx.fast.cuda_kernel(
-            name="kvstore_paged_split_mma",
-            input_names=["queries", "signs", "kc", "ks", "ko", "vc", "vs", "vo", "block_tables", "meta"],
-            output_names=["part_o", "part_ml"],
-            source=kernel_source("cuda_mma_split.cu"),
-            header=kernel_source("cuda_mma.cuh"),
-            shared_memory=shared_memory,
-        )
-    return _SPLIT[shared_memory]
+    return mx.fast.cuda_kernel(
+        name="kvstore_paged_split_mma",
+        input_names=split_input_names(packed=True),
+        output_names=SPLIT_OUTPUTS,
+        source=kernel_source("cuda_mma_split.cu"),
+        header=kernel_source("cuda_mma.cuh"),
+        shared_memory=shared_memory,
+    )

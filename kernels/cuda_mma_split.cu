@@ -71,35 +71,9 @@
   constexpr float LOG2E = 1.4426950408889634f;
   if (PROBE == 1) return;  // profiling: the launch alone
 
-  const int rows_total = meta[0];
-  const int num_queries = meta[1];
-  const int split_tokens = meta[2];
-  const int window = meta[3];
-  const int first_key = meta[4];
-  const int row_chunks = meta[5];
-  float qscale = __int_as_float(meta[6]) * LOG2E;
-
-  const int split = blockIdx.x;
-  const int num_splits = gridDim.x;
-  const int head = blockIdx.y / row_chunks;
-  const int chunk = blockIdx.y % row_chunks;
-  const int batch = blockIdx.z;
-  const int num_kv_heads = kc_shape[1];
-  const int table_width = block_tables_shape[1];
-
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
+#include "split_prologue.cuh"
   const int gid = lane >> 2;
   const int tig = lane & 3;
-
-  const int context = meta[7 + batch];
-  const int start = first_key + split * split_tokens;
-  const int stop = min(context, start + split_tokens);
-
-  __shared__ int sh_table[TABLE_CAP];
-  const int first_block = start / BLOCK_SIZE;
-  for (int e = threadIdx.x; first_block + e <= (stop - 1) / BLOCK_SIZE && e < TABLE_CAP; e += NUM_WARPS * 32)
-    sh_table[e] = block_tables[batch * table_width + first_block + e];
 
   // Shared memory: one region used in turn by the per-warp rings of raw page bytes (ASYNC
   // main loop) and the warps' partial outputs (epilogue); the queries (prologue, float32:
@@ -529,7 +503,7 @@
         // scale_g) P, center = 8 (4 bits; odd dims' codes are 16x) or 128 (8 bits). Centered
         // codes keep the fp32 accumulators near the size of the result: with the codes' 1024
         // bias left in and subtracted at the end, a 32K-token split lost the output to rounding
-        // (k8v8 at 128K, batch 8: 14% off exact attention, where 8-bit quantization is 0.8%)
+        // (docs/kernels.md)
         const float* svs = scales(u) + 32 * GROUPS;
         const float* svo = svs + 16 * GROUPS;
         const int j0 = 2 * tig, j1 = 2 * tig + 8;

@@ -1,30 +1,13 @@
 """Direct paged attention: the launch plans of the CUDA and Metal kernels (planning only;
 kernels/attention.py dispatches, kernels/cuda.py and kernels/metal.py run the plans).
 
-Algorithm (split-K decode, the same on both backends):
-  1. Queries are viewed as grouped rows [B, Hkv, rep*L, D] (a reshape, no copy) and,
-     when keys are stored rotated, rotated inside the kernel (signs, then a fast
-     Walsh-Hadamard transform, float32). Up to ROWS_PER_BLOCK rows share one pass over the
-     pages, so a KV head's pages are read once per row chunk, not once per query head.
-  2. The visible token span [first_key, max_context) is cut into num_splits equal splits.
-     One thread block per (split, KV head, row chunk, sequence) reads its split's tokens
-     through the block table, straight from the packed (or native) planes: codes are
-     turned into floats in registers, scores use score = scale_g * (q . codes) + offset_g *
-     sum(q) per group, and each lane group keeps an online softmax. The block writes
-     partial (max, sum, output) per row, in the log2 domain.
-  3. A merge kernel combines the splits (and the sink logit, if any) with the
-     log-sum-exp rule and writes [B, Hq, L, Dv] in the queries' dtype.
-
-Served: up to 8 queries, Dk == Dv a power of two from 16 to 512, group sizes that are
-multiples of the dims per lane, any block size, mask None or "causal", any window, sinks.
-Everything else is routed to the partitioned path by kernels/attention.py. Launch
-parameters are a DirectTuning (kernels/tuning.py), passed in.
-
-On CUDA, packed pages with fp16/bf16 queries take the tensor-core split kernel instead
-(kernels/cuda_mma.py, planned by _build_mma_plan); the partials and the merge are the same.
-
-Planes must be row-contiguous arrays (the pool's own arrays, not strided views): the
-kernel launcher would otherwise copy a whole pool plane per call.
+Split-K decode: the visible span of each sequence is cut into equal splits, one thread block
+per (split, KV head, row chunk, sequence) scores up to ROWS_PER_BLOCK grouped query rows
+(8 or 16 for the tensor-core kernel) straight from the pages and writes a partial
+(max, sum, output), and a merge kernel combines the splits. A plan is the template, grid and
+per-call scalars of one call, cached so every layer of a decode step shares it. The steps,
+what is served and why are in docs/kernels.md ("Direct kernels"). Planes must be
+row-contiguous arrays (the pool's own, not strided views), or the launcher copies them.
 """
 
 from __future__ import annotations
@@ -163,7 +146,6 @@ def _build_plan(call: PagedAttentionCall, tuning: DirectTuning) -> LaunchPlan:
         raise ValueError(f"direct kernels do not serve layout {layout} with head dims "
                          f"{shape.k_head_dim}/{shape.v_head_dim}")
     num_splits, row_chunks, meta = _split_plan(call, shape, ROWS_PER_BLOCK, tuning.target_blocks, align=1)
-    causal = shape.num_queries > 1 and (call.mask == "causal" or call.window is not None)
     native_f32 = not layout.packed and call.planes["k"].dtype == mx.float32
     unroll = max(1, tuning.unroll // 2) if native_f32 else tuning.unroll
     num_warps = tuning.num_warps if shape.k_head_dim <= 256 else 4  # shared memory: groups * rows * D
@@ -173,6 +155,19 @@ def _build_plan(call: PagedAttentionCall, tuning: DirectTuning) -> LaunchPlan:
         ("ROWS", ROWS_PER_BLOCK),
         ("UNROLL", unroll),
         ("NUM_WARPS", num_warps),
+        *_page_template(call, shape),
+    ]
+    if not layout.packed:
+        split_template.append(("KvT", call.planes["k"].dtype))
+    return _launch_plan("lane", call, shape, num_splits, row_chunks, meta, num_warps * 32, split_template)
+
+
+def _page_template(call: PagedAttentionCall, shape: AttentionShape) -> list[tuple]:
+    """The template entries both split kernels take, in their order: the page geometry and
+    codes, the visibility rule, the staged block-table size."""
+    causal = shape.num_queries > 1 and (call.mask == "causal" or call.window is not None)
+    layout = call.layout
+    return [
         ("BLOCK_SIZE", shape.block_size),
         ("K_BITS", layout.k_bits),
         ("V_BITS", layout.v_bits),
@@ -182,9 +177,6 @@ def _build_plan(call: PagedAttentionCall, tuning: DirectTuning) -> LaunchPlan:
         ("ROTATE", layout.rotated_keys),
         ("TABLE_CAP", TABLE_CAP),
     ]
-    if not layout.packed:
-        split_template.append(("KvT", call.planes["k"].dtype))
-    return _launch_plan("lane", call, shape, num_splits, row_chunks, meta, num_warps * 32, split_template)
 
 
 def _split_plan(call: PagedAttentionCall, shape: AttentionShape, rows_per_block: int,
@@ -244,7 +236,6 @@ def _build_mma_plan(call: PagedAttentionCall, tuning: DirectTuning) -> LaunchPla
     rows16 = shape.rep * shape.num_queries > 8 and shape.k_head_dim <= 128
     rows = 16 if rows16 else 8
     num_splits, row_chunks, meta = _split_plan(call, shape, rows, tuning.mma_target_blocks, align=16)
-    causal = shape.num_queries > 1 and (call.mask == "causal" or call.window is not None)
     d = shape.k_head_dim
     raw_words = 2 * (d // 4) * layout.k_bits // 32 + 4 * (d // 8) * layout.v_bits // 32
     # cp.async rings: a warp step is 16 tokens of every plane (codes and four scale planes)
@@ -267,14 +258,7 @@ def _build_mma_plan(call: PagedAttentionCall, tuning: DirectTuning) -> LaunchPla
         ("D", d),
         ("ROWS16", rows16),
         ("NUM_WARPS", tuning.mma_warps),
-        ("BLOCK_SIZE", shape.block_size),
-        ("K_BITS", layout.k_bits),
-        ("V_BITS", layout.v_bits),
-        ("GROUP", layout.group_size),
-        ("CAUSAL", causal),
-        ("WINDOWED", call.window is not None),
-        ("ROTATE", layout.rotated_keys),
-        ("TABLE_CAP", TABLE_CAP),
+        *_page_template(call, shape),
         ("PIPE", raw_words <= 32 if tuning.mma_pipe is None else tuning.mma_pipe),
         ("PROBE", 0),
         ("ASYNC", stages > 0),

@@ -10,6 +10,32 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+# The kernels' argument names, in the order LaunchPlan.split_inputs and run_split_merge pass
+# the arrays (the names the kernel sources use).
+SPLIT_OUTPUTS = ["part_o", "part_ml"]
+MERGE_INPUTS = ["part_o", "part_ml", "sinks", "meta"]
+MERGE_OUTPUTS = ["result"]
+
+
+def split_input_names(packed: bool) -> list[str]:
+    """The split kernels' inputs: queries, rotation signs, the layout's planes, the block
+    tables and the per-call scalars."""
+    planes = ["kc", "ks", "ko", "vc", "vs", "vo"] if packed else ["kc", "vc"]
+    return ["queries", "signs", *planes, "block_tables", "meta"]
+
+
+def compile_lane_split(factory, packed: bool, source: str, header: str):
+    """The lane-group split kernel from `factory` (mx.fast.cuda_kernel or metal_kernel)."""
+    return factory(name=f"kvstore_paged_split_{'packed' if packed else 'native'}",
+                   input_names=split_input_names(packed), output_names=SPLIT_OUTPUTS,
+                   source=source, header=header)
+
+
+def compile_merge(factory, source: str, **header):
+    """The merge kernel from `factory`; header="..." where the backend's merge needs one."""
+    return factory(name="kvstore_paged_merge", input_names=MERGE_INPUTS, output_names=MERGE_OUTPUTS,
+                   source=source, **header)
+
 
 @dataclass
 class LaunchPlan:

@@ -9,12 +9,12 @@ Metal exists and skips with a stated reason elsewhere.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
 
-from kernels.launch import LaunchPlan, run_split_merge
+from kernels.launch import LaunchPlan, compile_lane_split, compile_merge, run_split_merge
 from kernels.sources import kernel_source, source_sections
-
-_KERNELS: dict[tuple, object] = {}
 
 
 def split_source(packed: bool) -> str:
@@ -24,29 +24,14 @@ def split_source(packed: bool) -> str:
             .replace("{load_k}", loads[f"LOAD_{kind}_K"]).replace("{load_v}", loads[f"LOAD_{kind}_V"]))
 
 
+@lru_cache(maxsize=None)
 def _split_kernel(packed: bool):
-    key = ("split", packed)
-    if key not in _KERNELS:
-        planes = ["kc", "ks", "ko", "vc", "vs", "vo"] if packed else ["kc", "vc"]
-        _KERNELS[key] = mx.fast.metal_kernel(
-            name=f"kvstore_paged_split_{'packed' if packed else 'native'}",
-            input_names=["queries", "signs", *planes, "block_tables", "meta"],
-            output_names=["part_o", "part_ml"],
-            source=split_source(packed),
-            header=kernel_source("metal_common.h"),
-        )
-    return _KERNELS[key]
+    return compile_lane_split(mx.fast.metal_kernel, packed, split_source(packed), kernel_source("metal_common.h"))
 
 
+@lru_cache(maxsize=1)
 def _merge_kernel():
-    if "merge" not in _KERNELS:
-        _KERNELS["merge"] = mx.fast.metal_kernel(
-            name="kvstore_paged_merge",
-            input_names=["part_o", "part_ml", "sinks", "meta"],
-            output_names=["result"],
-            source=kernel_source("metal_merge.metal"),
-        )
-    return _KERNELS["merge"]
+    return compile_merge(mx.fast.metal_kernel, kernel_source("metal_merge.metal"))
 
 
 def launch(plan: LaunchPlan) -> mx.array:
