@@ -6,11 +6,11 @@
 
 The store is opened in the lifespan (never at import, never before a fork) and
 closed there, unless the caller passed an open one. The middleware stack, outermost
-first: metrics (counts every request, refused ones too), authentication (before
-routing, so every path but /v1/health needs the token when one is set), header count,
-then body limits and timeouts, then the method check (405 with a true Allow), then
-FastAPI's routing and the error table of api/errors.py. Header bytes are capped even
-earlier, by uvicorn (api/server.py).
+first: metrics (counts every request, refused ones too), the header count (before
+anything reads the headers), authentication (before routing, so every path but
+/v1/health needs the token when one is set), body limits and timeouts, the method
+check (405 with a true Allow), then FastAPI's routing and the error table of
+api/errors.py. Header bytes are capped even earlier, by uvicorn (api/server.py).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def create_app(store: Store | None = None, settings: Settings | None = None, *,
                        max_batch_pages=settings.max_batch_pages,
                        body_timeout_s=settings.body_timeout_s,
                        min_body_bytes_per_s=settings.min_body_bytes_per_s)
-    app.add_middleware(HeaderLimitMiddleware, max_header_count=settings.max_header_count)
     app.add_middleware(AuthMiddleware, tokens=tokens)
+    app.add_middleware(HeaderLimitMiddleware, max_header_count=settings.max_header_count)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

@@ -299,3 +299,12 @@ def test_a_wrong_method_is_a_405_with_a_true_allow_header(tenants):
         r = a.request(method, path, json={} if method != "GET" else None)
         assert (r.status_code, r.headers.get("allow")) == (405, allow), (method, path, r.text)
         assert r.json()["code"] == "method_not_allowed"
+
+
+def test_too_many_header_lines_are_refused_before_the_token_check(tenants):
+    _, clients, _ = tenants
+    anonymous = TestClient(clients["a"].app)  # no token at all
+    many = {f"x-pad-{i}": "1" for i in range(200)}
+    r = anonymous.get("/v1/stats", headers=many)
+    assert r.status_code == 431 and r.json()["code"] == "header_fields_too_large", r.text
+    assert anonymous.get("/v1/stats").status_code == 401  # the token check still runs
