@@ -131,6 +131,8 @@ def attend(call: PagedAttentionCall, *, impl: str | None = None, partition_token
     tensor_cores = call.layout.packed and mma_serves(
         call.layout, call.k_head_dim, call.v_head_dim, call.queries.dtype, tuning)
     return cuda.launch(plan_launch(call, tuning, kernel="mma" if tensor_cores else "lane"))
+
+
 def workspace_nbytes(
     impl: str,
     n_q_heads: int,
