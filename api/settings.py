@@ -21,8 +21,9 @@
                                         # this rate after its first read, or it is a 408
     max_header_nbytes = 65536           # KVSTORE_MAX_HEADER_NBYTES: request line + headers
     max_header_count = 100              # KVSTORE_MAX_HEADER_COUNT: header lines per request
-    max_read_decoded_nbytes = 536870912 # KVSTORE_MAX_READ_DECODED_NBYTES: page bytes decoded
+    max_read_decoded_nbytes = 469762048 # KVSTORE_MAX_READ_DECODED_NBYTES: page bytes decoded
                                         # for batch reads in flight, all tokens together
+                                        # (448 MiB: with 64 MiB of slack, 512 MiB of RSS)
     max_read_decoded_nbytes_per_token = 268435456  # ..._PER_TOKEN: one token's share; also
                                         # the most one batch read may decode
     budget_nbytes = 0                   # KVSTORE_BUDGET_NBYTES: 0 = no eviction budget
@@ -80,7 +81,7 @@ class Settings(BaseModel):
     min_body_bytes_per_s: int = Field(1 << 20, ge=1)
     max_header_nbytes: int = Field(64 << 10, ge=4096, le=1 << 20)
     max_header_count: int = Field(100, ge=8, le=10_000)
-    max_read_decoded_nbytes: int = Field(512 << 20, ge=1 << 20)
+    max_read_decoded_nbytes: int = Field(448 << 20, ge=1 << 20)
     max_read_decoded_nbytes_per_token: int = Field(256 << 20, ge=1 << 20)
     budget_nbytes: int = Field(0, ge=0)
     map_nbytes: int = Field(1 << 30, ge=1 << 20)
