@@ -30,7 +30,6 @@ import uvicorn
 from api.app import create_app
 from api.settings import Settings
 
-
 MMAP_THRESHOLD_NBYTES = 4 << 20
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 
