@@ -424,13 +424,13 @@ class AdmissionController:
         allocated (InvalidRequest when they do not fit), then attached."""
         from engine.formats import page_spec_for, resolve_format
         from engine.geometry import layer_geometry
-        from engine.models import model_dtype
+        from engine.models import kv_dtype
         from engine.policy import KVPolicy
 
         policy = policy or KVPolicy()
-        fmt = resolve_format(policy.format_for(model_id), model_dtype(model))
+        fmt = resolve_format(policy.format_for(model_id), kv_dtype(model))
         arenas = sum(num_blocks * page_spec_for(g, fmt, policy).block_nbytes
-                     for g in layer_geometry(model.args) if g.kind == "full")
+                     for g in layer_geometry(model) if g.kind == "full")
         with self._lock:
             if self.committed_nbytes + arenas > self.budget_nbytes:
                 raise InvalidRequest(f"pool arenas of {arenas} bytes exceed the admission budget "

@@ -18,6 +18,13 @@ Which implementation attends is the cache's `attention_impl`: "reference" (gathe
 dequantize, mx.fast.scaled_dot_product_attention: the numerical control, bit-exact with
 mlx-lm's KVCache for native pages), "partitioned", "cuda", "metal", or None for the
 kernels' own dispatch. $KVSTORE_ATTENTION_IMPL overrides None inside kernels/.
+
+GATHERED ("gathered") is not a kernel: the router passes such a cache through to the
+model's own attention, which gets the decoded history from update_and_fetch. Models
+whose attention does more with the fetched K/V than hand them to this global (MLA
+computes on the latent, phi inspects keys.dtype, gemma2 soft-caps, plamo2 calls
+mx.fast directly) are served that way; engine.models.check_paged_attention decides per
+model, once, at load time.
 """
 
 from __future__ import annotations
@@ -32,22 +39,39 @@ from engine.cache import ROUTED_MODULES, PagedKVCache
 from kernels.attention import paged_attention
 
 _PATCHED_NAME = "scaled_dot_product_attention"
+GATHERED = "gathered"  # attention_impl of a paged cache the model attends over itself
+_kernel_attention = paged_attention  # the load-time check's calls bypass any test spy
 _lock = threading.Lock()
 _originals: dict[str, object] = {}  # module name -> its original function while patched
 _installs: dict[int, list[str]] = {}  # id(model) -> module names it patched, in order
 
 
+_checking = threading.local()
+
+
+@contextlib.contextmanager
+def checking():
+    """Inside: the router's calls are the load-time check's, not the served model's
+    (they go to the kernels directly, past anything that wraps paged_attention)."""
+    _checking.active = True
+    try:
+        yield
+    finally:
+        _checking.active = False
+
+
 def attend(cache: PagedKVCache, queries, *, scale: float, mask=None, sinks=None):
     """queries [1, Hq, L, Dk] (unrotated, model dtype) -> [1, Hq, L, Dv] over the cache."""
-    return paged_attention(queries, cache.pool.planes, cache.block_table(), [cache.offset],
-                           cache.spec.layout, scale=scale, mask=mask, sinks=sinks,
-                           impl=cache.attention_impl)
+    kernel = _kernel_attention if getattr(_checking, "active", False) else paged_attention
+    return kernel(queries, cache.pool.planes, cache.block_table(), [cache.offset],
+                  cache.spec.layout, scale=scale, mask=mask, sinks=sinks,
+                  impl=cache.attention_impl)
 
 
 def _router(original):
     def scaled_dot_product_attention(queries, keys, values, *args, **kwargs):
         cache = kwargs.get("cache", args[0] if args else None)
-        if isinstance(cache, PagedKVCache):
+        if isinstance(cache, PagedKVCache) and cache.attention_impl != GATHERED:
             scale = kwargs["scale"] if "scale" in kwargs else args[1]
             mask = kwargs.get("mask", args[2] if len(args) > 2 else None)
             sinks = kwargs.get("sinks", args[3] if len(args) > 3 else None)

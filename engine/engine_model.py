@@ -7,7 +7,11 @@ recompute:
 
   identity      kvstore's FormatIdentity of the model's pages under the policy
                 (identity_for(N) is the same for mlx-qB pages converted at token N)
-  geometry      the per-layer kinds and KV shapes (engine/geometry.py)
+  geometry      the per-layer kinds and KV shapes, probed from the model
+                (engine/geometry.py)
+  attention     whether the paged router may attend for it (the load-time check,
+                engine.models.check_paged_attention); when not, its paged caches are
+                "gathered" (exact, the model's own attention over decoded history)
 
 and owns what requests share:
 
@@ -28,8 +32,15 @@ import mlx.nn as nn
 
 from engine.errors import InvalidRequest
 from engine.formats import resolve_format
-from engine.geometry import LayerGeometry, layer_geometry
-from engine.models import make_cache, make_pools, model_dtype, model_identity
+from engine.attention import GATHERED
+from engine.geometry import LayerGeometry, probe_geometry
+from engine.models import (
+    PagedAttentionCheck,
+    check_paged_attention,
+    make_cache,
+    make_pools,
+    model_identity,
+)
 from engine.policy import KVPolicy
 from engine.stock import make_stock_cache
 from kvstore.errors import IncompatibleFormat
@@ -73,17 +84,22 @@ class EngineModel:
                  admission: AdmissionController | None = None,
                  resident: ResidentIndex | None = None, attention_impl: str | None = "auto"):
         """attention_impl is what the paged caches ask the kernels for ("auto": the
-        reference arm for native pages, the kernels' dispatch for packed ones)."""
+        reference arm for native pages, the kernels' dispatch for packed ones); a model
+        that fails the load-time check gets "gathered" whatever is asked."""
         self.model = model
         self.model_id = model_id
         self.policy = policy or KVPolicy()
         self.tokenizer_fingerprint = tokenizer_fingerprint
-        self.attention_impl = attention_impl
         self.admission = admission
         self.resident = resident
-        self.geometry: list[LayerGeometry] = layer_geometry(model.args)
+        probed = probe_geometry(model)
+        self.geometry: list[LayerGeometry] = list(probed.layers)
         self.identity: FormatIdentity = self._identity(0)
-        self.paged = resolve_format(self.policy.format_for(model_id), model_dtype(model)).paged
+        self.paged = resolve_format(self.policy.format_for(model_id), probed.kv_dtype).paged
+        self.attention: PagedAttentionCheck = (
+            check_paged_attention(model) if self.paged and attention_impl != GATHERED
+            else PagedAttentionCheck(False, "gathered by request" if self.paged else "unpaged"))
+        self.attention_impl = attention_impl if self.attention.routed else GATHERED
         if resident is not None:
             if admission is not None:
                 raise InvalidRequest("resident reuse serves paged caches without admission")
@@ -136,4 +152,4 @@ class EngineModel:
 
     def __repr__(self) -> str:
         return (f"EngineModel({self.model_id!r}, format {self.identity.format_id_hex[:12]}, "
-                f"{'paged' if self.paged else 'unpaged'})")
+                f"{'unpaged' if not self.paged else 'routed' if self.attention.routed else 'gathered'})")

@@ -1,14 +1,32 @@
-"""Layer geometry of an mlx-lm model, read from its config: which layers are paged.
+"""Layer geometry of an mlx-lm model, read from the model itself: which caches are paged.
 
-A model config (the dict of config.json, or the ModelArgs dataclass an mlx-lm model
-carries as `model.args`) is normalized through mlx-lm's own ModelArgs.from_dict, so
-defaults are the ones the model code uses and the two spellings of one config give the
-same canonical dict, hence the same model fingerprint.
+No per-type rules. mlx-lm decides what each layer keeps by the caches its
+make_prompt_cache(model) builds; the engine reads that decision and one graph-only
+forward pass of one token (probe_geometry), which records what every cache's
+update_and_fetch receives: keys [B, kv_heads, L, Dk] and values [B, kv_heads, L, Dv] in
+the dtype the model computes K/V in. Nothing is evaluated (no mx.eval), so probing a
+large model builds a graph and discards it. The result is cached per model object.
 
-Per layer the engine needs: kind ("full": one page per block; "sliding": a window ring
-kept by mlx-lm's RotatingKVCache; "state": recurrent arrays), KV heads, key and value
-head dims, and the window. The rules are per model type and deliberately explicit: a
-model type without rules is refused (UnsupportedModel), never guessed.
+Per cache entry (one per entry of mlx-lm's cache list, not per config layer: models that
+share KV across layers build fewer caches, and one entry per cache stores shared KV
+once) the engine records:
+
+  kind        "full"     a KVCache the model updates once per token: one page per block
+              "sliding"  a RotatingKVCache (window = max_size) or a ChunkedKVCache
+                         (window = chunk_size, llama4): an attachment
+              "state"    an ArraysCache (recurrent state: Mamba, linear attention), a
+                         CacheList (its sub-caches travel together), or a KVCache the
+                         model does not update exactly once per token: an attachment
+  cache_class the mlx-lm class name (part of the fingerprint)
+  kv_heads, k_head_dim, v_head_dim, window
+
+A cache class outside mlx-lm's registered ones (engine/attachments.py CACHE_CLASSES) is
+refused by name (UnsupportedModel), never guessed.
+
+The model fingerprint is blake3 of the canonical config (the model's ModelArgs with
+their defaults, when it has them) and the probed geometry, so a model without
+model.args (baichuan_m1, plamo2, ...) still gets one, and two configs that build the
+same caches differently get different ones.
 """
 
 from __future__ import annotations
@@ -16,17 +34,29 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 import blake3
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ChunkedKVCache,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 from engine.errors import UnsupportedModel
 
-# mlx-lm loads these model types with another type's code (mlx_lm.utils.MODEL_REMAPPING).
-_REMAPPED = {"mistral": "llama"}
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# Config keys mlx-lm ignores but checkpoints carry: they must not change a fingerprint.
+_IGNORED_KEYS = ("quantization", "quantization_config", "torch_dtype", "architectures",
+                 "transformers_version", "_name_or_path")
+_DTYPE_NAMES = {mx.bfloat16: "bfloat16", mx.float16: "float16", mx.float32: "float32"}
 
 
 @dataclass(frozen=True)
@@ -35,92 +65,242 @@ class LayerGeometry:
     kv_heads: int
     k_head_dim: int
     v_head_dim: int
-    window: int = 0  # tokens a sliding layer sees; 0 for full layers
+    window: int = 0  # tokens a sliding layer keeps; 0 otherwise
+    cache_class: str = "KVCache"
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """What the engine knows of a model's caches, probed once (see the module docstring)."""
+
+    layers: tuple[LayerGeometry, ...]
+    kv_dtype: mx.Dtype  # what the model's K/V arrive in (the native page format's dtype)
+    config: dict[str, Any]  # canonical config ({} when the model carries none)
+    vocab_size: int  # from the probe's logits
+    hidden_size: int
+    num_attention_heads: int
+    intermediate_size: int
+
+    @property
+    def fingerprint(self) -> str:
+        """blake3 hex of the canonical config and the layer geometry (sorted-key JSON)."""
+        text = json.dumps({"config": self.config,
+                           "layers": [dataclasses.asdict(g) for g in self.layers]},
+                          sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
+        return blake3.blake3(text.encode()).hexdigest()
+
+
+# -- canonical config ----------------------------------------------------------------
+def _config_dict(config) -> dict:
+    if isinstance(config, dict):
+        return dict(config)
+    if dataclasses.is_dataclass(config):
+        return dataclasses.asdict(config)
+    raise UnsupportedModel(f"a model config is a dict or a ModelArgs, not {type(config).__name__}")
+
+
+def _canonical(data: dict) -> dict[str, Any]:
+    data = {k: v for k, v in data.items() if k not in _IGNORED_KEYS}
+    return json.loads(json.dumps(data, sort_keys=True, default=str))
 
 
 def model_type_of(config) -> str:
-    data = config if isinstance(config, dict) else dataclasses.asdict(config)
-    model_type = data.get("model_type")
+    model_type = _config_dict(config).get("model_type")
     if not isinstance(model_type, str):
         raise UnsupportedModel("the model config has no model_type")
     return model_type
 
 
-def model_args(config):
-    """The mlx-lm ModelArgs for a config dict or ModelArgs instance."""
-    model_type = model_type_of(config)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModel(
-            f"no paged-cache rules for model type {model_type!r} "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
-    data = config if isinstance(config, dict) else dataclasses.asdict(config)
-    return _model_args(model_type, json.dumps(data, sort_keys=True, default=str))
-
-
 @lru_cache(maxsize=64)
-def _model_args(model_type: str, config_json: str):
-    # ModelArgs.from_dict inspects signatures (milliseconds); restores ask per request.
-    # Keyed by the config's full JSON, so a changed config is a different entry.
-    module = importlib.import_module(f"mlx_lm.models.{_REMAPPED.get(model_type, model_type)}")
-    return module.ModelArgs.from_dict(json.loads(config_json))
+def _classes(config_json: str):
+    # mlx-lm's own lookup (its MODEL_REMAPPING included), so a config resolves to the
+    # code mlx_lm.load would run. Keyed by the config's JSON.
+    from mlx_lm.utils import _get_classes
+
+    try:
+        return _get_classes(json.loads(config_json))
+    except ValueError as exc:
+        raise UnsupportedModel(str(exc)) from exc
 
 
 def canonical_config(config) -> dict[str, Any]:
-    """The config as the model code sees it: ModelArgs fields with their defaults.
-
-    Keys mlx-lm ignores (torch_dtype, quantization, architectures, ...) are dropped, so
-    weight quantization cannot leak into the KV format identity.
-    """
-    return json.loads(json.dumps(dataclasses.asdict(model_args(config)), sort_keys=True))
-
-
-def model_fingerprint(config) -> str:
-    """blake3 hex of the canonical config JSON (sorted keys, no whitespace).
-
-    It covers the architecture, not the weights: the model id names the weights.
-    """
-    text = json.dumps(canonical_config(config), sort_keys=True, separators=(",", ":"),
-                      ensure_ascii=True)
-    return blake3.blake3(text.encode()).hexdigest()
+    """The config as the model code sees it: ModelArgs fields with their defaults (keys
+    mlx-lm ignores dropped, so weight quantization cannot leak into the KV format)."""
+    data = _config_dict(config)
+    if isinstance(config, dict):
+        model_type_of(data)
+        _, args_class = _classes(json.dumps(data, sort_keys=True, default=str))
+        data = dataclasses.asdict(_args(args_class, data))
+    return _canonical(data)
 
 
-def layer_geometry(config) -> list[LayerGeometry]:
-    """One LayerGeometry per decoder layer, in order."""
-    args = model_args(config)
-    model_type = _REMAPPED.get(model_type_of(config), model_type_of(config))
-    n_layers = args.num_hidden_layers
-    kv_heads = args.num_key_value_heads or args.num_attention_heads
-    if model_type == "llama":
-        head_dim = args.head_dim or args.hidden_size // args.num_attention_heads
-        kinds = [_llama_kind(t) for t in args.layer_types]
-        window = args.sliding_window or 0
-    elif model_type == "qwen2":
-        head_dim = args.hidden_size // args.num_attention_heads
-        kinds = ["full"] * n_layers
-        window = 0
-    elif model_type == "qwen3":
-        head_dim = args.head_dim
-        kinds = ["full"] * n_layers
-        window = 0
-    elif model_type == "gemma3_text":
-        head_dim = args.head_dim
-        pattern = args.sliding_window_pattern
-        kinds = ["full" if i % pattern == pattern - 1 else "sliding" for i in range(n_layers)]
-        window = args.sliding_window
-    else:  # pragma: no cover - model_args already refused it
-        raise UnsupportedModel(model_type)
-    if len(kinds) != n_layers:
-        raise UnsupportedModel(f"{len(kinds)} layer types for {n_layers} layers")
-    return [
-        LayerGeometry(kind, kv_heads, head_dim, head_dim, window if kind == "sliding" else 0)
-        for kind in kinds
-    ]
+def _model_config(model: nn.Module) -> dict[str, Any]:
+    """The canonical config an mlx-lm model carries (as .args or .config), or {}."""
+    for name in ("args", "config"):
+        value = getattr(model, name, None)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return _canonical(dataclasses.asdict(value))
+    return {}
 
 
-def _llama_kind(layer_type: str) -> str:
-    if layer_type == "full_attention":
-        return "full"
-    if layer_type == "sliding_attention":
-        return "sliding"
-    raise UnsupportedModel(f"unknown llama layer type {layer_type!r}")
+# -- the probe -----------------------------------------------------------------------
+_PROBES: dict[int, tuple[weakref.ref, ModelGeometry]] = {}
+
+
+def probe_geometry(model: nn.Module) -> ModelGeometry:
+    """The model's geometry, probed once per model object (module docstring)."""
+    hit = _PROBES.get(id(model))
+    if hit is not None and hit[0]() is model:
+        return hit[1]
+    geometry = _probe(model, _model_config(model))
+    key = id(model)
+    _PROBES[key] = (weakref.ref(model, lambda _: _PROBES.pop(key, None)), geometry)
+    return geometry
+
+
+def _probe(model: nn.Module, config: dict) -> ModelGeometry:
+    caches = make_prompt_cache(model)
+    calls: dict[int, list[tuple]] = {}
+
+    def record(cache):
+        if isinstance(cache, CacheList):
+            for child in cache.caches:
+                record(child)
+            return
+        original = getattr(cache, "update_and_fetch", None)
+        if original is None:
+            return
+
+        def update_and_fetch(keys, values, *args, **kwargs):
+            calls.setdefault(id(cache), []).append(
+                (tuple(keys.shape), tuple(values.shape), keys.dtype))
+            return original(keys, values, *args, **kwargs)
+
+        cache.update_and_fetch = update_and_fetch  # this probe's caches only
+
+    for cache in caches:
+        record(cache)
+    try:
+        logits = model(mx.array([[0]], dtype=mx.int32), cache=caches)
+    except Exception as exc:  # the model's own error, named
+        raise UnsupportedModel(f"a one-token forward of the model failed: "
+                               f"{type(exc).__name__}: {exc}") from exc
+    layers = tuple(_layer(index, cache, calls.get(id(cache), []))
+                   for index, cache in enumerate(caches))
+    dtypes = [c[0][2] for c in calls.values() if c]
+    full = [calls[id(c)][0][2] for c, g in zip(caches, layers) if g.kind == "full"]
+    kv_dtype = (full or dtypes or [_parameter_dtype(model)])[0]
+    kv_heads = max([g.kv_heads for g in layers] or [1]) or 1
+    hidden = _first_int(config, ("hidden_size", "d_model", "n_embd", "dim")) or _embed_dim(model)
+    return ModelGeometry(
+        layers, kv_dtype, config, vocab_size=int(logits.shape[-1]), hidden_size=hidden,
+        num_attention_heads=_first_int(config, ("num_attention_heads", "n_head", "n_heads"))
+        or kv_heads,
+        intermediate_size=_first_int(config, ("intermediate_size", "ffn_dim",
+                                              "moe_intermediate_size")) or 4 * hidden)
+
+
+def _layer(index: int, cache, calls: list[tuple]) -> LayerGeometry:
+    name = type(cache).__name__
+    heads = k_dim = v_dim = 0
+    if calls and len(calls[0][0]) == 4 and len(calls[0][1]) == 4:
+        (_, heads, _, k_dim), (_, _, _, v_dim), _ = calls[0]
+    if type(cache) is KVCache:
+        once = len(calls) == 1 and calls[0][0][0] == 1 and calls[0][0][2] == 1 and heads
+        if once:
+            return LayerGeometry("full", heads, k_dim, v_dim, 0, name)
+        return LayerGeometry("state", heads, k_dim, v_dim, 0, name)
+    if type(cache) is RotatingKVCache:
+        return LayerGeometry("sliding", heads, k_dim, v_dim, int(cache.max_size), name)
+    if type(cache) is ChunkedKVCache:
+        return LayerGeometry("sliding", heads, k_dim, v_dim, int(cache.chunk_size), name)
+    if type(cache) is ArraysCache or type(cache) is CacheList:
+        if type(cache) is CacheList:
+            _require_registered(index, cache)
+        return LayerGeometry("state", heads, k_dim, v_dim, 0, name)
+    raise UnsupportedModel(
+        f"cache {index} is a {type(cache).__module__}.{name}, which the engine does not "
+        "know how to store: only mlx-lm's KVCache, RotatingKVCache, ChunkedKVCache, "
+        "ArraysCache and CacheList of them are registered (engine/attachments.py)")
+
+
+def _require_registered(index: int, cache: CacheList) -> None:
+    for child in cache.caches:
+        if isinstance(child, CacheList):
+            _require_registered(index, child)
+        elif type(child) not in (KVCache, RotatingKVCache, ChunkedKVCache, ArraysCache):
+            raise UnsupportedModel(f"cache {index} is a CacheList holding a "
+                                   f"{type(child).__name__}, which the engine does not store")
+
+
+def _first_int(config: dict, names) -> int:
+    for name in names:
+        value = config.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
+
+
+def _embed_dim(model: nn.Module) -> int:
+    for _, module in model.named_modules():
+        if isinstance(module, nn.Embedding):
+            return int(module.weight.shape[-1])
+    return 0
+
+
+def _parameter_dtype(model: nn.Module) -> mx.Dtype:
+    from mlx.utils import tree_flatten
+
+    for _, value in tree_flatten(model.parameters()):
+        if value.dtype in _DTYPE_NAMES:
+            return value.dtype
+    return mx.float32
+
+
+# -- config-only entry points ----------------------------------------------------------
+@lru_cache(maxsize=32)
+def _config_geometry(config_json: str) -> ModelGeometry:
+    # A model built from the config but never evaluated: its weights are lazy random
+    # arrays, so building and probing it allocates no weights.
+    data = json.loads(config_json)
+    model_class, args_class = _classes(config_json)
+    args = _args(args_class, data)
+    try:
+        model = model_class(args)
+    except Exception as exc:
+        raise UnsupportedModel(f"the config does not build a {data['model_type']} model: "
+                               f"{type(exc).__name__}: {exc}") from exc
+    return _probe(model, _canonical(dataclasses.asdict(args)))
+
+
+def _args(args_class, data: dict):
+    try:
+        return args_class.from_dict(data)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise UnsupportedModel(f"the config is not a {data.get('model_type')} config: "
+                               f"{exc}") from exc
+
+
+def geometry_of(source) -> ModelGeometry:
+    """The geometry of a model, or of a config (dict or ModelArgs) through a lazily
+    built, never evaluated model of that config."""
+    if isinstance(source, nn.Module):
+        return probe_geometry(source)
+    data = _config_dict(source)
+    model_type_of(data)
+    return _config_geometry(json.dumps(data, sort_keys=True, default=str))
+
+
+def layer_geometry(source) -> list[LayerGeometry]:
+    """One LayerGeometry per entry of mlx-lm's cache list, in order."""
+    return list(geometry_of(source).layers)
+
+
+def model_fingerprint(source) -> str:
+    """blake3 hex of the canonical config and the probed geometry. It covers the
+    architecture, not the weights: the model id names the weights."""
+    return geometry_of(source).fingerprint
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype))

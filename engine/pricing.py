@@ -32,8 +32,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.formats import PageSpec
-from engine.geometry import LayerGeometry, layer_geometry, model_args
-from engine.models import default_attention_impl, model_dtype
+from engine.attention import GATHERED
+from engine.geometry import LayerGeometry, probe_geometry
+from engine.models import default_attention_impl
 from engine.pool import BlockPool
 from engine.rates import ExecutionKey
 from kernels.attention import select_impl
@@ -121,18 +122,20 @@ def profile_model(model: nn.Module, pools: list, *, model_fingerprint: str,
     attention_impl is what make_cache will be given ("auto" resolves per pool exactly as
     make_cache does). The execution key names the implementation that decode runs.
     """
-    args = model_args(model.args)
-    geometry = layer_geometry(model.args)
+    probed = probe_geometry(model)  # sizes from the probe and the config, never model.args
+    geometry = probed.layers
     if len(pools) != len(geometry):
         raise ValueError(f"{len(pools)} pools for {len(geometry)} layers")
     layers = []
     for layer, pool in zip(geometry, pools, strict=True):
         if layer.kind == "full":
             impl = default_attention_impl(pool) if attention_impl == "auto" else attention_impl
+            if impl == GATHERED:  # mlx-lm's attention over the decoded history: what the
+                impl = "reference"  # reference arm does (gather, decode, one attention)
             layers.append(LayerPlan("full", layer, pool.spec, pool, impl))
         else:
             layers.append(LayerPlan(layer.kind, layer))
-    dtype = model_dtype(model)
+    dtype = probed.kv_dtype
     paged = [layer for layer in layers if layer.kind == "full"]
     if paged:
         first = paged[0]
@@ -143,8 +146,9 @@ def profile_model(model: nn.Module, pools: list, *, model_fingerprint: str,
         decode_impl, page_format = "none", "none"
     key = ExecutionKey(model_fingerprint, page_format, decode_impl,
                        device or str(mx.default_device()))
-    return ModelProfile(tuple(layers), dtype.size, args.num_attention_heads, args.hidden_size,
-                        args.intermediate_size, args.vocab_size, key, prefill_step_tokens)
+    return ModelProfile(tuple(layers), dtype.size, probed.num_attention_heads,
+                        probed.hidden_size, probed.intermediate_size, probed.vocab_size, key,
+                        prefill_step_tokens)
 
 
 # -- one nbytes function per priced object ---------------------------------------------
