@@ -14,24 +14,28 @@ from functools import lru_cache
 import mlx.core as mx
 
 from kernels.launch import LaunchPlan, compile_lane_split, compile_merge, run_split_merge
-from kernels.sources import kernel_source, source_sections
+from kernels.sources import PACKAGE, SourceTree, kernel_source
+
+HEADER = "metal_common.h"
+MERGE = "metal_merge.metal"
 
 
-def split_source(packed: bool) -> str:
-    loads = source_sections("metal_loads.metal")
+def split_source(packed: bool, tree: SourceTree = PACKAGE) -> str:
+    """The split kernel's body for native or packed pages, as metal_kernel takes it."""
+    loads = tree.sections("metal_loads.metal")
     kind = "PACKED" if packed else "NATIVE"
-    return (kernel_source("metal_split.metal")
+    return (tree.text("metal_split.metal")
             .replace("{load_k}", loads[f"LOAD_{kind}_K"]).replace("{load_v}", loads[f"LOAD_{kind}_V"]))
 
 
 @lru_cache(maxsize=None)
 def _split_kernel(packed: bool):
-    return compile_lane_split(mx.fast.metal_kernel, packed, split_source(packed), kernel_source("metal_common.h"))
+    return compile_lane_split(mx.fast.metal_kernel, packed, split_source(packed), kernel_source(HEADER))
 
 
 @lru_cache(maxsize=1)
 def _merge_kernel():
-    return compile_merge(mx.fast.metal_kernel, kernel_source("metal_merge.metal"))
+    return compile_merge(mx.fast.metal_kernel, kernel_source(MERGE))
 
 
 def launch(plan: LaunchPlan) -> mx.array:
