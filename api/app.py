@@ -80,7 +80,8 @@ def create_app(store: Store | None = None, settings: Settings | None = None, *,
                                          settings.max_uploads_per_token)
     app.state.read_slots = anyio.Semaphore(settings.max_concurrent_reads)
     app.state.decode_budget = DecodeBudget(settings.max_read_decoded_nbytes,
-                                           settings.max_read_decoded_nbytes_per_token)
+                                           settings.max_read_decoded_nbytes_per_token,
+                                           settings.read_budget_wait_s)
     for router in ROUTERS:
         app.include_router(router)
     errors.install(app)

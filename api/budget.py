@@ -13,7 +13,7 @@ which are compressed before the store decodes them), from its principal's share
 cut to the bytes that really are decoded copies, and those stay reserved until the
 response has sent its last byte. A read larger than one principal's share is a 413
 (split it; kvstore.client reads in batches of 256 MiB); a read that finds the budget
-full waits up to READ_BUDGET_WAIT_S, then is a 503 busy with Retry-After, which
+full waits up to read_budget_wait_s (10 s), then is a 503 busy with Retry-After, which
 RemoteStore retries. The anonymous principal of a server without tokens is its only
 tenant: the global budget alone bounds it.
 

@@ -26,6 +26,8 @@
                                         # (448 MiB: with 64 MiB of slack, 512 MiB of RSS)
     max_read_decoded_nbytes_per_token = 268435456  # ..._PER_TOKEN: one token's share; also
                                         # the most one batch read may decode
+    read_budget_wait_s = 10.0           # KVSTORE_READ_BUDGET_WAIT_S: a read waits this long
+                                        # for decode budget, then is a 503 busy
     budget_nbytes = 0                   # KVSTORE_BUDGET_NBYTES: 0 = no eviction budget
     map_nbytes = 1073741824             # KVSTORE_MAP_NBYTES: initial LMDB map
     max_map_nbytes = 1099511627776      # KVSTORE_MAX_MAP_NBYTES
@@ -83,6 +85,7 @@ class Settings(BaseModel):
     max_header_count: int = Field(100, ge=8, le=10_000)
     max_read_decoded_nbytes: int = Field(448 << 20, ge=1 << 20)
     max_read_decoded_nbytes_per_token: int = Field(256 << 20, ge=1 << 20)
+    read_budget_wait_s: float = Field(10.0, ge=0, le=3600)
     budget_nbytes: int = Field(0, ge=0)
     map_nbytes: int = Field(1 << 30, ge=1 << 20)
     max_map_nbytes: int = Field(1 << 40, ge=1 << 20)
