@@ -33,40 +33,8 @@
   const int group = warp * GPW + lane / GW;
 
   // queries of this block's rows, this lane's DPL dims, rotated if ROTATE, log2 domain
-  float q[ROWS][DPL];
-  float q_sum[ROWS];
-  int q_pos[ROWS];
-  const int row0 = chunk * ROWS;
   if (ROTATE) qscale *= rsqrtf((float)D);
-#pragma unroll
-  for (int i = 0; i < ROWS; ++i) {
-    const int r = row0 + i;
-    q_pos[i] = context - num_queries + (r % num_queries);
-    const size_t at = ((size_t)(batch * num_kv_heads + head) * rows_total + r) * D + sub * DPL;
-#pragma unroll
-    for (int d = 0; d < DPL; ++d) q[i][d] = (r < rows_total) ? static_cast<float>(queries[at + d]) : 0.f;
-    if (ROTATE) {
-      // x @ diag(s) @ H: signs, then a fast Walsh-Hadamard transform (in registers for
-      // strides < DPL, across the lane group with shuffles above)
-#pragma unroll
-      for (int d = 0; d < DPL; ++d) q[i][d] *= signs[sub * DPL + d];
-#pragma unroll
-      for (int h = 1; h < DPL; h <<= 1)
-#pragma unroll
-        for (int d = 0; d < DPL; ++d)
-          if ((d & h) == 0) { const float a = q[i][d], b = q[i][d + h]; q[i][d] = a + b; q[i][d + h] = a - b; }
-#pragma unroll
-      for (int h = 1; h < GW; h <<= 1)
-#pragma unroll
-        for (int d = 0; d < DPL; ++d) {
-          const float other = __shfl_xor_sync(0xffffffffu, q[i][d], h);
-          q[i][d] = (sub & h) ? other - q[i][d] : q[i][d] + other;
-        }
-    }
-    q_sum[i] = 0.f;
-#pragma unroll
-    for (int d = 0; d < DPL; ++d) { q[i][d] *= qscale; q_sum[i] += q[i][d]; }
-  }
+#include "split_queries.h"
 
   float m[ROWS], l[ROWS], acc[ROWS][DPL], value_offsets[ROWS];
 #pragma unroll
@@ -140,35 +108,7 @@
           for (int o = GW / 2; o > 0; o >>= 1) s[u][i] += __shfl_xor_sync(0xffffffffu, s[u][i], o);
     }
     // mask, then the online-softmax update over UNROLL tokens at once
-#pragma unroll
-    for (int i = 0; i < ROWS; ++i) {
-      float chunk_max = m[i];
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const int j = t0 + u;
-        bool visible = j < stop;
-        if (CAUSAL) visible = visible && j <= q_pos[i];
-        if (WINDOWED) visible = visible && j > q_pos[i] - window;
-        s[u][i] = visible ? s[u][i] : KV_NEG_INF;
-        chunk_max = fmaxf(chunk_max, s[u][i]);
-      }
-      if (chunk_max == KV_NEG_INF) {
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) s[u][i] = 0.f;
-        continue;
-      }
-      const float correction = exp2f(m[i] - chunk_max);
-      m[i] = chunk_max;
-      l[i] *= correction;
-      value_offsets[i] *= correction;
-#pragma unroll
-      for (int d = 0; d < DPL; ++d) acc[i][d] *= correction;
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        s[u][i] = exp2f(s[u][i] - chunk_max);
-        l[i] += s[u][i];
-      }
-    }
+#include "split_softmax.h"
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       float weight[ROWS];

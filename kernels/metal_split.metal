@@ -1,12 +1,24 @@
 // The Metal split kernel (kernels/metal.py compiles it): the plain form of
 // cuda_lane_split.cu. A template: metal.py fills two placeholders in braces, load_k and
 // load_v, per layout kind from metal_loads.metal. Template parameters and meta as cuda_lane_split.cu's.
+// The query prologue, the online-softmax step and the epilogue are the CUDA kernel's own
+// text (split_queries.h, split_softmax.h, split_epilogue.h); what differs is the loads (one
+// token per lane group per unrolled step, no software pipelining, no staged block table)
+// and the score reduction (a plain butterfly).
+// What the shared files need of a backend; defined in the body, since MLX adds the
+// thread_index_in_threadgroup attribute only where the body names it.
+#define KV_NEG_INF (-INFINITY)
+#define KV_THREAD thread_index_in_threadgroup
+#define KV_MAX metal::max
+#define KV_EXP2 metal::exp2
+#define KV_UNROLL
+#define KV_UNROLL_PARTS
+#define KV_SHUFFLE_XOR(value, lane_mask) simd_shuffle_xor((value), ushort(lane_mask))
   constexpr int GW = D / DPL;
   constexpr int GPW = 32 / GW;
   constexpr int WARP_TOKENS = GPW * UNROLL;
   constexpr int NGROUPS = NUM_WARPS * GPW;
   constexpr float LOG2E = 1.4426950408889634f;
-  constexpr float NEG_INF = -INFINITY;
 
   const int rows_total = meta[0];
   const int num_queries = meta[1];
@@ -33,34 +45,12 @@
   const int start = first_key + split * split_tokens;
   const int stop = min(context, start + split_tokens);
 
-  float q[ROWS][DPL];
-  float q_sum[ROWS];
-  int q_pos[ROWS];
-  const int row0 = chunk * ROWS;
   if (ROTATE) qscale *= metal::rsqrt(float(D));
-  for (int i = 0; i < ROWS; ++i) {
-    const int r = row0 + i;
-    q_pos[i] = context - num_queries + (r % num_queries);
-    const size_t at = ((size_t)(batch * num_kv_heads + head) * rows_total + r) * D + sub * DPL;
-    for (int d = 0; d < DPL; ++d) q[i][d] = (r < rows_total) ? float(queries[at + d]) : 0.f;
-    if (ROTATE) {
-      for (int d = 0; d < DPL; ++d) q[i][d] *= signs[sub * DPL + d];
-      for (int h = 1; h < DPL; h <<= 1)
-        for (int d = 0; d < DPL; ++d)
-          if ((d & h) == 0) { float a = q[i][d], b = q[i][d + h]; q[i][d] = a + b; q[i][d + h] = a - b; }
-      for (int h = 1; h < GW; h <<= 1)
-        for (int d = 0; d < DPL; ++d) {
-          float other = simd_shuffle_xor(q[i][d], ushort(h));
-          q[i][d] = (sub & h) ? other - q[i][d] : q[i][d] + other;
-        }
-    }
-    q_sum[i] = 0.f;
-    for (int d = 0; d < DPL; ++d) { q[i][d] *= qscale; q_sum[i] += q[i][d]; }
-  }
+#include "split_queries.h"
 
-  float m[ROWS], l[ROWS], acc[ROWS][DPL];
+  float m[ROWS], l[ROWS], acc[ROWS][DPL], value_offsets[ROWS];
   for (int i = 0; i < ROWS; ++i) {
-    m[i] = NEG_INF; l[i] = 0.f;
+    m[i] = KV_NEG_INF; l[i] = 0.f; value_offsets[i] = 0.f;
     for (int d = 0; d < DPL; ++d) acc[i][d] = 0.f;
   }
 
@@ -88,38 +78,20 @@
     for (int u = 0; u < UNROLL; ++u)
       for (int i = 0; i < ROWS; ++i)
         for (int o = GW / 2; o > 0; o >>= 1) s[u][i] += simd_shuffle_xor(s[u][i], ushort(o));
-    for (int i = 0; i < ROWS; ++i) {
-      float chunk_max = m[i];
-      for (int u = 0; u < UNROLL; ++u) {
-        const int j = t0 + u;
-        bool visible = j < stop;
-        if (CAUSAL) visible = visible && j <= q_pos[i];
-        if (WINDOWED) visible = visible && j > q_pos[i] - window;
-        s[u][i] = visible ? s[u][i] : NEG_INF;
-        chunk_max = metal::max(chunk_max, s[u][i]);
-      }
-      if (chunk_max == NEG_INF) {
-        for (int u = 0; u < UNROLL; ++u) s[u][i] = 0.f;
-        continue;
-      }
-      const float correction = metal::exp2(m[i] - chunk_max);
-      m[i] = chunk_max;
-      l[i] *= correction;
-      for (int d = 0; d < DPL; ++d) acc[i][d] *= correction;
-      for (int u = 0; u < UNROLL; ++u) {
-        s[u][i] = metal::exp2(s[u][i] - chunk_max);
-        l[i] += s[u][i];
-      }
-    }
+#include "split_softmax.h"
     for (int u = 0; u < UNROLL; ++u) {
       if (t0 + u >= stop) continue;
       float kv[DPL];
       float v_scale = 1.f, v_offset = 0.f;
       {load_v}
-      for (int d = 0; d < DPL; ++d) {
-        const float value = metal::fma(kv[d], v_scale, v_offset);
-        for (int i = 0; i < ROWS; ++i) acc[i][d] = metal::fma(s[u][i], value, acc[i][d]);
+      // values are scale * code + offset: the offset's weight is kept apart, as in CUDA
+      float weight[ROWS];
+      for (int i = 0; i < ROWS; ++i) {
+        weight[i] = s[u][i] * v_scale;
+        value_offsets[i] = metal::fma(s[u][i], v_offset, value_offsets[i]);
       }
+      for (int d = 0; d < DPL; ++d)
+        for (int i = 0; i < ROWS; ++i) acc[i][d] = metal::fma(weight[i], kv[d], acc[i][d]);
     }
   }
 
@@ -129,14 +101,7 @@
   threadgroup float sh_acc[PARTS][PART_ROWS][D];
   for (int i = 0; i < ROWS; ++i) {
     if (sub == 0) { sh_m[group][i] = m[i]; sh_l[group][i] = l[i]; }
-    for (int d = 0; d < DPL; ++d) sh_acc[group][i][sub * DPL + d] = acc[i][d];
+    for (int d = 0; d < DPL; ++d) sh_acc[group][i][sub * DPL + d] = acc[i][d] + value_offsets[i];
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-// what split_epilogue.h needs of a backend; defined in the body, since MLX adds the
-// thread_index_in_threadgroup attribute only where the body names it
-#define KV_NEG_INF (-INFINITY)
-#define KV_THREAD thread_index_in_threadgroup
-#define KV_MAX metal::max
-#define KV_EXP2 metal::exp2
-#define KV_UNROLL_PARTS
 #include "split_epilogue.h"

@@ -90,8 +90,10 @@ def test_every_metal_source_compiles_against_the_stand_ins():
 
 # (file, text there, planted replacement, what the compiler must name)
 PLANTED = [
-    ("metal_split.metal", "chunk_max = metal::max(chunk_max, s[u][i]);",
-     "chunk_max = metal::max(chunk_max, s[u][i]) + chunk_mx;", "chunk_mx"),  # a typo
+    ("metal_split.metal", "s[u][i] = metal::fma(k_scale, dot, k_offset * q_sum[i]);",
+     "s[u][i] = metal::fma(k_scale, dot, k_ofset * q_sum[i]);", "k_ofset"),  # a typo
+    ("split_softmax.h", "chunk_max = KV_MAX(chunk_max, s[u][i]);",
+     "chunk_max = KV_MAX(chunk_max, s[u]);", "max"),  # float vs float*, in a file CUDA shares
     ("metal_merge.metal", "best = metal::max(best, sink);", "best = metal::max(best, 1);", "max"),  # float vs int
     ("split_epilogue.h", "total += w * sh_l[p][i];", "total += w * sh_l[p][i]", "expected"),  # shared file
     ("metal_loads.metal", "kv_code<K_BITS>(words[", "kv_code<K_BITS, 2>(words[", "kv_code"),  # bad template

@@ -70,3 +70,13 @@ def test_metal_load_sections():
     sections = source_sections("metal_loads.metal")
     assert sorted(sections) == ["LOAD_NATIVE_K", "LOAD_NATIVE_V", "LOAD_PACKED_K", "LOAD_PACKED_V"]
     assert all("\n" not in text and text.endswith(";") for text in sections.values())
+
+
+def test_lane_split_kernels_share_queries_and_softmax():
+    """The Metal port runs the CUDA lane-group kernel's own query prologue and online-softmax
+    step (one text each), so the two cannot drift apart there."""
+    for shared in ("split_queries.h", "split_softmax.h"):
+        text = kernel_source(shared)
+        for name in ("cuda lane split, native", "cuda lane split, packed", "metal split, native",
+                     "metal split, packed"):
+            assert text in compiled_sources()[name], (shared, name)
