@@ -1,5 +1,5 @@
 """POST /v1/prefix/lookup: the longest stored prefix of some token ids, in the
-caller's namespace only (chain keys are salted by namespace, so another tenant's
+caller's namespace only (the namespace is hashed into every chain key, so another tenant's
 blocks can never match)."""
 
 from __future__ import annotations
