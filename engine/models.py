@@ -96,8 +96,12 @@ def make_pools(model: nn.Module, policy: KVPolicy | None = None, *, model_id: st
 
 
 def default_attention_impl(pool: BlockPool) -> str | None:
-    """"reference" for native pages (bit-exact with mlx-lm), the kernels' dispatch else."""
-    return None if pool.spec.format.packed else "reference"
+    """The kernels' dispatch (None: the direct kernel on a GPU), except for native pages on
+    the CPU: "reference" there, the numerical control, bit-exact with mlx-lm's KVCache. On a
+    GPU the reference would gather the whole history every step (issue 22: 0.24x KVCache)."""
+    if pool.spec.format.packed or mx.default_device() == mx.gpu:
+        return None
+    return "reference"
 
 
 @dataclass(frozen=True)

@@ -282,3 +282,17 @@ def test_generate_step_kv_bits_leaves_paged_layers_alone():
         list(generate_step(prompt_tokens(20), model, prompt_cache=cache, max_tokens=4,
                            kv_bits=4, quantized_kv_start=0))
     assert all(type(c) is PagedKVCache and c.spec.format.name == "native-bf16" for c in cache)
+
+
+@pytest.mark.parametrize("device, native_impl", [(mx.cpu, "reference"), (mx.gpu, None)])
+def test_default_attention_path_is_chosen_per_device(monkeypatch, device, native_impl):
+    """Native pages take the gathering reference (bit-exact with KVCache) on the CPU only; on
+    a GPU they go to the kernels' dispatch, which picks the direct kernel there. Packed pages
+    always take the dispatch."""
+    from engine import models
+
+    monkeypatch.setattr(models.mx, "default_device", lambda: device)
+    native = BlockPool(PageSpec(FORMATS["native-bf16"], 2, 64, 64, 16, 64, None), 1)
+    packed = BlockPool(PageSpec(FORMATS["k4v4"], 2, 64, 64, 16, 64, 3), 1)
+    assert models.default_attention_impl(native) == native_impl
+    assert models.default_attention_impl(packed) is None
