@@ -216,9 +216,11 @@ class LmdbEnv:
                     (a flipped bit in the main database's root would otherwise make a
                     full store look like a new one and be re-initialised over it),
                     except the ones ADDED_LATER, in a store that has its meta record."""
-        names = self._listed_databases(env)
+        with env.begin() as snapshot:  # the names and the txn id of one snapshot: a
+            # process that creates the store between two reads must not look like damage
+            names, last_txnid = self._listed_databases(env, snapshot), snapshot.id()
         declared = set(DATABASES)
-        if not names and env.info()["last_txnid"] == 0:
+        if not names and last_txnid == 0:
             if self.readonly:
                 raise NotFound(f"no store at {self.path}: its LMDB environment is empty (a "
                                "read-write open creates the store)")
