@@ -65,7 +65,7 @@ def attend(cache: PagedKVCache, queries, *, scale: float, mask=None, sinks=None)
     kernel = _kernel_attention if getattr(_checking, "active", False) else paged_attention
     return kernel(queries, cache.pool.planes, cache.block_table(), [cache.offset],
                   cache.spec.layout, scale=scale, mask=mask, sinks=sinks,
-                  impl=cache.attention_impl)
+                  impl=cache.attention_impl, fresh=cache.fresh_tokens(queries.shape[2]))
 
 
 def _router(original):

@@ -76,6 +76,9 @@ class PagedKVCache:
         self.dtype: mx.Dtype | None = None  # the model's K/V dtype, seen at the first write
         self._blocks: list[int] = []  # host-side block table
         self._table: mx.array | None = None  # device copy, rebuilt when the table changes
+        # the last update's keys and values as given (unrotated, full precision): a prefill
+        # chunk's attention reads its own tokens from them (kernels/prefill.py)
+        self._fresh: tuple[mx.array, mx.array, int] | None = None  # (keys, values, offset after)
         # A dropped cache gives its blocks back, like a dropped KVCache frees its arrays.
         self._finalizer = weakref.finalize(self, _release, pool, self._blocks)
 
@@ -98,6 +101,7 @@ class PagedKVCache:
             position += run
         self.offset = stop
         self.dtype = keys.dtype
+        self._fresh = (keys, values, stop)
         if self.routed_by and all(name in ROUTED_MODULES for name in self.routed_by):
             return NOT_FETCHED, NOT_FETCHED
         return self.keys_and_values()
@@ -127,6 +131,7 @@ class PagedKVCache:
         """Drop the last n tokens; blocks no longer covering any token are freed."""
         n = max(0, min(self.offset, n))
         self.offset -= n
+        self._fresh = None
         keep = math.ceil(self.offset / self.spec.block_size_tokens)
         tail = self._blocks[keep:]
         if tail:
@@ -201,6 +206,14 @@ class PagedKVCache:
     def block_ids(self) -> tuple[int, ...]:
         return tuple(self._blocks)
 
+    def fresh_tokens(self, num_queries: int) -> tuple[mx.array, mx.array] | None:
+        """The keys and values [1, Hkv, L, D] of the last update when it wrote exactly the
+        num_queries newest tokens (a prefill chunk attending now), else None."""
+        fresh = self._fresh
+        if fresh is None or fresh[0].shape[2] != num_queries or fresh[2] != self.offset:
+            return None
+        return fresh[0], fresh[1]
+
     def block_table(self) -> mx.array:
         """[1, num_blocks] int32, cached until the table changes."""
         if self._table is None:
@@ -232,6 +245,7 @@ class PagedKVCache:
         """Give every block back to the pool; the cache is empty afterwards."""
         _release(self.pool, self._blocks)
         self._table = None
+        self._fresh = None
         self.offset = 0
 
     @classmethod

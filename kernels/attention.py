@@ -5,11 +5,14 @@ Implementations (see docs/kernels.md):
   "partitioned"  MLX ops over partitions of partition_tokens, log-sum-exp merge (CPU default)
   "cuda"         mx.fast.cuda_kernel, split-K partials + merge kernel, up to 8 queries
   "metal"        mx.fast.metal_kernel, the same algorithm as "cuda"
+  "dequantized"  prefill: the history gathered and dequantized once per call into the model
+                 dtype, one mx.fast.scaled_dot_product_attention (kernels/prefill.py)
 
 Dispatch (impl=None): $KVSTORE_ATTENTION_IMPL if set, else "cuda" when the default device
 is a CUDA GPU, "metal" on a Metal GPU, "partitioned" otherwise. Then, whatever was chosen:
-array masks go to "reference"; more than KERNEL_MAX_QUERIES queries, or a shape the
-kernels do not serve, go from "cuda"/"metal" to "partitioned"; on CUDA, packed pages with
+array masks go to "reference"; more than KERNEL_MAX_QUERIES queries go from "cuda"/"metal"
+to "dequantized" (prefill chunks on a GPU; "partitioned" where it does not serve: batches,
+windows), a shape the kernels do not serve to "partitioned"; on CUDA, packed pages with
 fp16/bf16 queries take the tensor-core split kernel. Forcing a kernel whose backend is
 absent raises BackendUnavailable. This module is the whole rule; kernels/direct.py plans
 the kernels' launches, kernels/cuda.py and kernels/metal.py run them.
@@ -22,7 +25,7 @@ import os
 
 import mlx.core as mx
 
-from kernels import cuda, metal
+from kernels import cuda, metal, prefill
 from kernels.call import PagedAttentionCall
 from kernels.direct import (
     ROWS_PER_BLOCK,
@@ -37,7 +40,7 @@ from kernels.partitioned import partition_size, partitioned_attention
 from kernels.reference import reference_attention
 from kernels.tuning import DirectTuning, environment_tuning
 
-IMPLEMENTATIONS = ("reference", "partitioned", "cuda", "metal")
+IMPLEMENTATIONS = ("reference", "partitioned", "cuda", "metal", "dequantized")
 IMPL_ENV = "KVSTORE_ATTENTION_IMPL"
 KERNEL_MAX_QUERIES = 8
 
@@ -85,8 +88,9 @@ def select_impl(
         available = cuda_available() if chosen == "cuda" else metal_available()
         if not available:
             raise BackendUnavailable(f"impl {chosen!r} was asked for but {chosen} is not available here")
-        supported = kernel_supports(layout, k_head_dim, v_head_dim, tuning or environment_tuning())
-        if num_queries > KERNEL_MAX_QUERIES or not supported:
+        if num_queries > KERNEL_MAX_QUERIES:
+            return "dequantized"
+        if not kernel_supports(layout, k_head_dim, v_head_dim, tuning or environment_tuning()):
             return "partitioned"
     return chosen
 
@@ -105,23 +109,30 @@ def paged_attention(
     impl: str | None = None,
     partition_tokens: int = 1024,
     tuning: DirectTuning | None = None,
+    fresh: tuple[mx.array, mx.array] | None = None,
 ) -> mx.array:
     """Attention of L new queries over paged (native or packed) K/V history: the arguments
     are PagedAttentionCall's (kernels/call.py has their shapes); returns [B, Hq, L, Dv] in
-    queries.dtype. impl, partition_tokens and tuning as attend()'s."""
+    queries.dtype. impl, partition_tokens, tuning and fresh as attend()'s."""
     call = PagedAttentionCall(queries, planes, block_tables, context_lens, layout, scale=scale,
                               mask=mask, window=window, sinks=sinks)
-    return attend(call, impl=impl, partition_tokens=partition_tokens, tuning=tuning)
+    return attend(call, impl=impl, partition_tokens=partition_tokens, tuning=tuning, fresh=fresh)
 
 
 def attend(call: PagedAttentionCall, *, impl: str | None = None, partition_tokens: int = 1024,
-           tuning: DirectTuning | None = None) -> mx.array:
+           tuning: DirectTuning | None = None, fresh: tuple[mx.array, mx.array] | None = None) -> mx.array:
     """Run one call on the implementation select_impl picks. partition_tokens: the
     partitioned path's partition; tuning: the direct kernels' launch parameters
-    (None: environment_tuning())."""
+    (None: environment_tuning()); fresh: the L new tokens' own keys and values
+    ([B, Hkv, L, D], unrotated, as written), which "dequantized" attends to in full
+    precision (the others read them from the pages)."""
     tuning = tuning or environment_tuning()
     chosen = select_impl(impl, call.num_queries, call.mask, call.layout, call.k_head_dim,
                          call.v_head_dim, tuning=tuning)
+    if chosen == "dequantized":
+        if prefill.serves(call.mask, call.window, call.queries.shape[0]):
+            return prefill.dequantized_attention(call, fresh)
+        chosen = "partitioned"
     if chosen == "reference":
         return reference_attention(call)
     if chosen == "partitioned":
@@ -157,9 +168,13 @@ def workspace_nbytes(
                  on a GPU, every partition's (see below).
     cuda/metal:  the split-K partials [Hq, L, splits, Dv + 2] float32 and the rotated queries
                  (splits as tuning plans them; None: environment_tuning()).
+    dequantized: the whole history in the model dtype (kernels/prefill.py's estimate).
     """
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl {impl!r} is not one of {IMPLEMENTATIONS}")
+    if impl == "dequantized":
+        return prefill.workspace_nbytes(n_q_heads, n_kv_heads, num_queries, k_head_dim, v_head_dim,
+                                        context_len, block_size, layout, model_dtype_nbytes)
     rows = n_q_heads * num_queries
     queries_f32 = rows * k_head_dim * 4
     triple = rows * (v_head_dim + 2) * 4
