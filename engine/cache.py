@@ -91,14 +91,7 @@ class PagedKVCache:
         start, stop = self.offset, self.offset + keys.shape[2]
         encoded = encode_tokens(self.spec, keys[0], values[0])
         self._make_writable(start, stop)
-        size = self.spec.block_size_tokens
-        position = start
-        while position < stop:
-            index, slot = divmod(position, size)
-            run = min(size - slot, stop - position)
-            part = {n: p[:, position - start:position - start + run] for n, p in encoded.items()}
-            self.pool.write(self._blocks[index], slot, part)
-            position += run
+        self._write_encoded(encoded, start, stop)
         self.offset = stop
         self.dtype = keys.dtype
         self._fresh = (keys, values, stop)
@@ -330,6 +323,30 @@ class PagedKVCache:
         self._blocks.extend(fresh[len(shared):])
         if fresh:
             self._table = None
+
+    def _write_encoded(self, encoded: dict[str, mx.array], start: int, stop: int) -> None:
+        """Write encoded planes [H, stop - start, width] into token slots [start, stop):
+        at most three writes per plane whatever the length (the partial first block, the
+        whole blocks in one scatter, the partial last block), so a prefill chunk costs a
+        few graph nodes per layer rather than one per block."""
+        size = self.spec.block_size_tokens
+        head = min(stop, -(-start // size) * size)  # the end of start's block
+        if head > start:
+            part = {n: p[:, :head - start] for n, p in encoded.items()}
+            self.pool.write(self._blocks[start // size], start % size, part)
+        whole = (stop - head) // size
+        if whole:
+            def blocked(plane):  # [H, whole * size, W] -> [whole, H, size, W]
+                heads, _, width = plane.shape
+                return plane[:, head - start:head - start + whole * size].reshape(
+                    heads, whole, size, width).transpose(1, 0, 2, 3)
+            first = head // size
+            self.pool.write_blocks(self._blocks[first:first + whole],
+                                   {n: blocked(p) for n, p in encoded.items()})
+        tail = head + whole * size
+        if stop > tail:
+            part = {n: p[:, tail - start:] for n, p in encoded.items()}
+            self.pool.write(self._blocks[tail // size], 0, part)
 
     def _write_planes(self, planes: dict[str, mx.array], tokens: int) -> None:
         """Write already-encoded planes [H, tokens, width] as the history (cache empty)."""

@@ -296,3 +296,22 @@ def test_default_attention_path_is_chosen_per_device(monkeypatch, device, native
     packed = BlockPool(PageSpec(FORMATS["k4v4"], 2, 64, 64, 16, 64, 3), 1)
     assert models.default_attention_impl(native) == native_impl
     assert models.default_attention_impl(packed) is None
+
+
+@pytest.mark.parametrize("name", ["native-bf16", "k4v4"])
+def test_chunked_writes_equal_token_by_token_writes(name):
+    """Chunks that start mid-block, span whole blocks and end mid-block (written as a head,
+    one scatter of whole blocks and a tail) store exactly what one token at a time does."""
+    spec = PageSpec(FORMATS[name], 2, 64, 64, 16, 64, 5 if name == "k4v4" else None)
+    rng = np.random.default_rng(4)
+    keys = mx.array(rng.standard_normal((1, 2, 141, 64)).astype(np.float32)).astype(mx.bfloat16)
+    values = mx.array(rng.standard_normal((1, 2, 141, 64)).astype(np.float32)).astype(mx.bfloat16)
+    chunked, single = PagedKVCache(BlockPool(spec, 12)), PagedKVCache(BlockPool(spec, 12))
+    start = 0
+    for length in (5, 37, 64, 3, 16, 16):
+        chunked.update_and_fetch(keys[:, :, start:start + length], values[:, :, start:start + length])
+        start += length
+    for t in range(141):
+        single.update_and_fetch(keys[:, :, t:t + 1], values[:, :, t:t + 1])
+    for a, b in zip(chunked.state, single.state, strict=True):
+        assert a.shape == b.shape and mx.array_equal(a, b).item()
