@@ -68,6 +68,9 @@ class ServingSettings:
     lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
     retry_after_s: float = DEFAULT_RETRY_AFTER_S
     publish_segments: tuple[str, ...] = SEGMENT_TYPES
+    # With an L1 match, L2 must add this many tokens (0: one block): a restore re-reads
+    # the whole prefix, so a few more tokens than L1 has are cheaper computed.
+    lookup_min_gain_tokens: int = 0
     publish_min_tokens: int = 0  # 0: one block (policy.block_size_tokens)
     publish_on_second_sighting: bool = False
     namespace_budget_nbytes: int | None = None  # bytes this process may publish per namespace
@@ -82,6 +85,8 @@ class ServingSettings:
             check_namespace(self.namespace)
         if not self.lookup_timeout_s > 0 or self.retry_after_s < 0:
             raise ValueError("lookup_timeout_s must be > 0 and retry_after_s >= 0")
+        if self.lookup_min_gain_tokens < 0:
+            raise ValueError("lookup_min_gain_tokens must be >= 0")
         if self.publish_min_tokens < 0 or self.publish_queue_nbytes <= 0:
             raise ValueError("publish_min_tokens must be >= 0 and publish_queue_nbytes > 0")
         if self.namespace_budget_nbytes is not None and self.namespace_budget_nbytes < 0:
@@ -90,6 +95,10 @@ class ServingSettings:
     @property
     def min_tokens(self) -> int:
         return self.publish_min_tokens or self.policy.block_size_tokens
+
+    @property
+    def min_gain_tokens(self) -> int:
+        return self.lookup_min_gain_tokens or self.policy.block_size_tokens
 
 
 @dataclass
@@ -214,9 +223,11 @@ class StoreTier:
                                    ThreadPoolExecutor(2, thread_name_prefix="kvstore-lookup"))
 
     # -- lookup --------------------------------------------------------------------
-    def lookup(self, tokens: list[int], better_than: int) -> Lookup:
-        """The longest stored prefix of `tokens` longer than `better_than` tokens, as
-        KVCaches, or a miss. Never raises for store trouble; bounded by the settings."""
+    def lookup(self, tokens: list[int], l1_tokens: int) -> Lookup:
+        """The longest stored prefix of `tokens` that beats L1's `l1_tokens` (by
+        settings.min_gain_tokens when L1 matched anything), as KVCaches, or a miss.
+        Never raises for store trouble; bounded in time by the settings."""
+        better_than = l1_tokens + (self.settings.min_gain_tokens - 1 if l1_tokens else 0)
         limit = len(tokens) - 1
         if limit <= better_than:
             return Lookup(None, outcome="shorter")

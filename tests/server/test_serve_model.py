@@ -24,6 +24,7 @@ from tests.server.requests import (
 )
 
 REQUEST_A, REQUEST_B = REQUESTS["A"], REQUESTS["B"]
+PATIENT = ("--lookup-timeout", "30s")  # a loaded CI machine must not turn a hit into a miss
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def published_store(model_dir, env, tmp_path_factory, stock_answers):
     """A store that one serve-model run filled (request A, cold), then stopped."""
     root = tmp_path_factory.mktemp("published")
     store = root / "store"
-    server = serve_model(model_dir, env, root / "first.log", "--store", str(store))
+    server = serve_model(model_dir, env, root / "first.log", "--store", str(store), *PATIENT)
     with server:
         cold = chat(server, REQUEST_A)
         metrics = server.metrics()
@@ -57,7 +58,7 @@ def test_restart_restores_from_the_store_and_answers_as_stock(
     ids_a, ids_b = prompt_ids(model_dir, REQUEST_A), prompt_ids(model_dir, REQUEST_B)
     shared = common_prefix(ids_a, ids_b)
     assert shared > 2 * BLOCK, "the requests share too short a prefix to test anything"
-    with serve_model(model_dir, env, tmp_path / "second.log", "--store", str(store)) as server:
+    with serve_model(model_dir, env, tmp_path / "second.log", "--store", str(store), *PATIENT) as server:
         # B first: L1 is empty, so only the store can know its system prompt
         got_b = chat_stream(server, REQUEST_B)
         got_a = chat(server, REQUEST_A)
@@ -88,7 +89,7 @@ def test_another_model_or_tokenizer_never_hits(which, published_store, stock_ans
     assert prompt_ids(other, REQUEST_A) == prompt_ids(model_dir, REQUEST_A)
     store = tmp_path / "store"
     shutil.copytree(published_store["store"], store)
-    with serve_model(other, env, tmp_path / "other.log", "--store", str(store)) as server:
+    with serve_model(other, env, tmp_path / "other.log", "--store", str(store), *PATIENT) as server:
         got = chat(server, REQUEST_A)
         metrics = server.metrics()
     assert got["cached"] == 0, server.log()

@@ -50,7 +50,12 @@ def test_two_servers_share_one_store_and_survive_its_death(model_dir, env, stock
     token = secrets.token_hex(16)
     store = kvstore_serve(tmp_path / "store", {**env, "KVSTORE_NAMESPACE": NAMESPACE},
                           tmp_path / "store.log", token)
-    remote = ["--url", None, "--token", token, "--namespace", NAMESPACE, "--retry-after", "30s"]
+    # --lookup-min-gain 1: the store is asked even when L1 holds all but a few tokens of
+    # a prompt, so the request after the store died does reach it (and fails fast)
+    # --lookup-timeout 30s: a loaded CI machine must not turn a hit into a timeout (the
+    # dead store below refuses connections at once)
+    remote = ["--url", None, "--token", token, "--namespace", NAMESPACE, "--retry-after", "30s",
+              "--lookup-min-gain", "1", "--lookup-timeout", "30s"]
     with store:
         remote[1] = store.base_url
         a = serve_model(model_dir, env, tmp_path / "a.log", *remote)

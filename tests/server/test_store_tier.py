@@ -54,7 +54,7 @@ def test_published_prefix_restores_bit_exact(loaded, tmp_path):
         assert tier.publisher.stats()["published"] == 1
         fresh = tier_for(loaded, store)  # another process: nothing remembered
         prompt = TOKENS + [9, 10, 11]
-        got = fresh.lookup(prompt, better_than=0)
+        got = fresh.lookup(prompt, l1_tokens=0)
         assert got.outcome == "hit" and got.tokens == len(TOKENS)
         assert got.bytes_read > 0
         for restored, computed in zip(got.cache, caches, strict=True):
@@ -63,8 +63,14 @@ def test_published_prefix_restores_bit_exact(loaded, tmp_path):
             k2, v2 = computed.keys[..., : computed.offset, :], computed.values[..., : computed.offset, :]
             assert mx.array_equal(k1, k2).item() and mx.array_equal(v1, v2).item()  # tolerance 0
         # leaves at least one token to compute, and never beats a longer L1 match
-        assert fresh.lookup(TOKENS, better_than=0).tokens == 4 * BLOCK
-        assert fresh.lookup(prompt, better_than=len(TOKENS)).outcome == "shorter"
+        assert fresh.lookup(TOKENS, l1_tokens=0).tokens == 4 * BLOCK
+        assert fresh.lookup(prompt, l1_tokens=len(TOKENS)).outcome == "shorter"
+        # with an L1 match, the store must add a block (min gain) to be worth re-reading
+        assert fresh.lookup(prompt, l1_tokens=len(TOKENS) - BLOCK).outcome == "hit"
+        assert fresh.lookup(prompt, l1_tokens=len(TOKENS) - BLOCK + 1).outcome == "shorter"
+        eager = tier_for(loaded, store, lookup_min_gain_tokens=1)
+        assert eager.lookup(prompt, l1_tokens=len(TOKENS) - 1).outcome == "hit"
+        eager.close(1)
         tier.close(5)
         fresh.close(5)
 
@@ -100,8 +106,8 @@ def test_image_placeholders_are_neither_looked_up_nor_published(loaded, tmp_path
         tier = tier_for(loaded, store)
         with_image = [-5] * 3 + TOKENS[3:]
         assert tier.offer(with_image, caches, "user") == "skipped_images"
-        assert tier.lookup(with_image, better_than=0).outcome == "off"
-        assert tier.lookup(TOKENS, better_than=0).outcome == "miss"  # the store still serves
+        assert tier.lookup(with_image, l1_tokens=0).outcome == "off"
+        assert tier.lookup(TOKENS, l1_tokens=0).outcome == "miss"  # the store still serves
         tier.close(1)
 
 
@@ -115,8 +121,8 @@ def test_another_tokenizer_fingerprint_never_hits(loaded, tmp_path):
         other = type(fingerprint)(fingerprint.name, fingerprint.weights_digest, "0" * 64)
         stranger = tier_for(loaded, store, fingerprint=other)
         assert stranger.identity.format_id != tier.identity.format_id
-        assert stranger.lookup(TOKENS + [1], better_than=0).outcome == "miss"
-        assert tier_for(loaded, store).lookup(TOKENS + [1], better_than=0).outcome == "hit"
+        assert stranger.lookup(TOKENS + [1], l1_tokens=0).outcome == "miss"
+        assert tier_for(loaded, store).lookup(TOKENS + [1], l1_tokens=0).outcome == "hit"
         tier.close(1)
 
 
@@ -139,18 +145,18 @@ def test_slow_store_is_a_bounded_miss_then_skipped(loaded):
     slow = _SlowStore(2.0)
     tier = tier_for(loaded, slow, lookup_timeout_s=0.2, retry_after_s=30)
     start = time.monotonic()
-    assert tier.lookup(TOKENS, better_than=0).outcome == "timeout"
+    assert tier.lookup(TOKENS, l1_tokens=0).outcome == "timeout"
     assert time.monotonic() - start < 1.0
     start = time.monotonic()
-    assert tier.lookup(TOKENS, better_than=0).outcome == "skipped"
+    assert tier.lookup(TOKENS, l1_tokens=0).outcome == "skipped"
     assert time.monotonic() - start < 0.05 and slow.calls == 1
     tier.close(0.1)
 
 
 def test_failing_store_is_a_miss(loaded):
     tier = tier_for(loaded, _BrokenStore(), retry_after_s=0)
-    assert tier.lookup(TOKENS, better_than=0).outcome == "error"
-    assert tier.lookup(TOKENS, better_than=0).outcome == "error"  # retried: retry_after 0
+    assert tier.lookup(TOKENS, l1_tokens=0).outcome == "error"
+    assert tier.lookup(TOKENS, l1_tokens=0).outcome == "error"  # retried: retry_after 0
     tier.close(0.1)
 
 

@@ -58,6 +58,8 @@ def serve_model(
     namespace: Optional[str] = typer.Option(None, "--namespace", help="store namespace [default: named after the model]"),
     lookup_timeout: str = typer.Option("2s", "--lookup-timeout", help="longest a store lookup may take before it is served as a miss"),
     retry_after: str = typer.Option("10s", "--retry-after", help="after a store failure or timeout, skip the store this long"),
+    lookup_min_gain: int = typer.Option(0, "--lookup-min-gain", min=0,
+                                        help="with an L1 match, tokens the store must add to be used [0: one block]"),
     publish_segments: str = typer.Option("system,user,assistant", "--publish-segments",
                                          help="segment types to publish, comma separated (empty: none)"),
     publish_min_tokens: int = typer.Option(0, "--publish-min-tokens", min=0, help="shortest prefix to publish [0: one block]"),
@@ -90,7 +92,7 @@ def serve_model(
     try:
         settings = ServingSettings(
             namespace=namespace, lookup_timeout_s=parse_duration(lookup_timeout),
-            retry_after_s=parse_duration(retry_after),
+            retry_after_s=parse_duration(retry_after), lookup_min_gain_tokens=lookup_min_gain,
             publish_segments=tuple(s.strip() for s in publish_segments.split(",") if s.strip()),
             publish_min_tokens=publish_min_tokens, publish_on_second_sighting=second_sighting,
             namespace_budget_nbytes=parse_size(namespace_budget) if namespace_budget else None,
