@@ -190,3 +190,30 @@ def test_serve_model_exits_2_on_an_unsupported_mlx_lm(monkeypatch, model_dir, tm
     assert result.exit_code == 2, result.output
     assert "supports mlx-lm" in result.output
     assert not (tmp_path / "s").exists()  # refused before anything was opened
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--namespace", "no spaces allowed"], "bad namespace"),
+    (["--publish-segments", "system,tool"], "unknown segment types"),
+    (["--lookup-timeout", "0s"], "lookup_timeout_s must be > 0"),
+])
+def test_serve_model_exits_2_on_bad_settings(args, message, model_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from tools.cli import app
+
+    result = CliRunner().invoke(app, ["serve-model", "--model", str(model_dir),
+                                      "--store", str(tmp_path / "s"), *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert not (tmp_path / "s").exists()
+
+
+def test_serve_model_wants_exactly_one_store(model_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from tools.cli import app
+
+    for args in ([], ["--store", str(tmp_path / "s"), "--url", "http://127.0.0.1:9"]):
+        result = CliRunner().invoke(app, ["serve-model", "--model", str(model_dir), *args])
+        assert result.exit_code == 2 and "--store DIR or --url URL" in result.output, result.output
