@@ -6,16 +6,22 @@ Usage:
   python -m tools.bench.engine --quick         # tiny model, 256-token prompt (about 30 s)
   python -m tools.bench.engine --size 0.6b     # the full ~0.6B model (slow on a CPU)
   python -m tools.bench.engine --prompt 2048 --decode 64 --repeats 3 --json
+  python -m tools.bench.engine --size llama-8b --contexts 2048,8192,32768 --out e.json   # a GPU
 
-Per arm: prefill tokens/s (the prompt in chunks of --prefill-step, evaluated after each
-chunk, as mlx-lm's generate_step does), decode tokens/s (greedy, one token per step,
-evaluated every step), and KV bytes per token: per token slot of the arrays the cache
-holds (its own nbytes over its capacity in tokens, all layers) and the physical bytes it
-holds at the end over the tokens it holds (block or step rounding included).
-Ratios are against mlx-lm's KVCache measured in the same run.
+Per arm and context: TTFT (the prompt in chunks of --prefill-step, evaluated after each
+chunk as mlx-lm's generate_step does, through the first token's argmax; prefill tokens/s
+is the prompt over it; the chunks' own times are kept), decode tokens/s at that context
+(greedy, one token per step, evaluated every step; median over segments of 4), the Python
+time to build one decode step's graph (the per-step work outside the kernels: block
+tables, dispatch, one call per layer), and KV bytes per token: per token slot of the arrays
+the cache holds and the physical bytes it holds at the end over the tokens it holds.
+Ratios are against mlx-lm's KVCache measured in the same run. An arm that raises (mlx-lm's
+QuantizedKVCache 4-bit decode on MLX 0.32.4 CUDA at 8K and 32K) is reported with its error.
 
-The paged arms attend through engine.install(): native pages with the "reference" arm
-(bit-exact with KVCache), packed pages with the kernels' dispatch ("partitioned" on CPU).
+The paged arms attend through engine.install() with make_cache's per-device default: on
+the CPU native pages take the "reference" (bit-exact with KVCache) and packed pages the
+kernels' dispatch ("partitioned"); on a GPU both take the direct kernels for decode and
+the "dequantized" path for prefill chunks (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import time
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models import qwen3
+from mlx_lm.models import llama, qwen3
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 import engine
@@ -45,16 +51,24 @@ SIZES = {
                    num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=8192),
     "quick": dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=128, intermediate_size=512, vocab_size=1024),
+    # Llama-3.2-1B's and Llama-3.1-8B's geometry (the issue's 1B and 8B-shaped models)
+    "llama-1b": dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256),
+    "llama-8b": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256),
 }
 PAGED_FORMATS = ("native", "k8v8", "k8v4", "k4v4")
+BASELINE = "mlx-lm KVCache"
 DECODE_SEGMENT = 4
 
 
 def build_model(size: str, dtype: mx.Dtype):
-    config = dict(model_type="qwen3", rms_norm_eps=1e-6, rope_theta=1e6,
-                  max_position_embeddings=32768, tie_word_embeddings=True, **SIZES[size])
+    family = llama if size.startswith("llama") else qwen3
+    config = dict(model_type=family.__name__.rsplit(".", 1)[-1], rms_norm_eps=1e-5 if family is llama else 1e-6,
+                  rope_theta=5e5 if family is llama else 1e6, max_position_embeddings=131072,
+                  tie_word_embeddings=family is qwen3, **SIZES[size])
     mx.random.seed(0)
-    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    model = family.Model(family.ModelArgs.from_dict(config))
     model.set_dtype(dtype)
     mx.eval(model.parameters())
     params = sum(v.size for _, v in tree_flatten(model.parameters()))
@@ -85,55 +99,87 @@ def slot_nbytes(cache) -> tuple[float, int]:
     return sum(a.nbytes for a in flat) / capacity, cache.nbytes
 
 
-def prefill(model, cache, prompt: mx.array, step: int) -> mx.array:
+def prefill(model, cache, prompt: mx.array, step: int, chunk_s: list | None = None) -> mx.array:
     for start in range(0, prompt.size, step):
+        began = time.perf_counter()
         logits = model(prompt[None, start:start + step], cache=cache)
         mx.eval(logits, [c.state for c in cache])
+        if chunk_s is not None:
+            chunk_s.append(time.perf_counter() - began)
     return logits[0, -1]
 
 
 def measure(model, factory, prompt: mx.array, decode: int, step: int) -> dict:
     warm = factory()
-    token = prefill(model, warm, prompt[:32], step).argmax()
+    token = prefill(model, warm, prompt[:min(prompt.size, 2 * step)], step).argmax()
     for _ in range(2):
         token = model(token[None, None], cache=warm)[0, -1].argmax()
         mx.eval(token)
     del warm
 
     cache = factory()
+    chunk_s: list[float] = []
     start = time.perf_counter()
-    token = prefill(model, cache, prompt, step).argmax()
+    token = prefill(model, cache, prompt, step, chunk_s).argmax()
     mx.eval(token)
     prefill_s = time.perf_counter() - start
     # Decode in segments of 4 tokens and keep the median rate: the machine may be shared,
     # and one preempted segment should not move the result.
-    rates = []
+    rates, builds = [], []
     for first in range(0, decode, DECODE_SEGMENT):
         count = min(DECODE_SEGMENT, decode - first)
         start = time.perf_counter()
         for _ in range(count):
-            token = model(token[None, None], cache=cache)[0, -1].argmax()
+            began = time.perf_counter()
+            logits = model(token[None, None], cache=cache)
+            builds.append(time.perf_counter() - began)
+            token = logits[0, -1].argmax()
             mx.eval(token)
         rates.append(count / (time.perf_counter() - start))
     tokens = prompt.size + decode
     per_slot, held = zip(*(slot_nbytes(c) for c in cache), strict=True)
-    return {"prefill_tok_s": prompt.size / prefill_s, "decode_tok_s": statistics.median(rates),
-            "kv_bytes_per_token": sum(per_slot), "kv_physical_bytes_per_token": sum(held) / tokens}
+    return {"ttft_ms": prefill_s * 1e3, "prefill_tok_s": prompt.size / prefill_s,
+            "decode_tok_s": statistics.median(rates), "decode_build_ms": statistics.median(builds) * 1e3,
+            "kv_bytes_per_token": sum(per_slot), "kv_physical_bytes_per_token": sum(held) / tokens,
+            "chunk_ms": [round(t * 1e3, 2) for t in chunk_s]}
+
+
+def safe_measure(model, factory, prompt: mx.array, decode: int, step: int) -> dict:
+    """measure(), or {"error": ...} where the arm raises (the run goes on)."""
+    try:
+        return measure(model, factory, prompt, decode, step)
+    except Exception as error:  # an arm that cannot run is a result, not the end of the run
+        return {"error": f"{type(error).__name__}: {str(error)[:200]}"}
 
 
 def table(results: dict, baseline: str) -> str:
+    """Markdown rows; TTFT "x" is KVCache's TTFT over the arm's (above 1: faster)."""
     base = results[baseline]
-    lines = ["| cache | prefill tok/s | x | decode tok/s | x | KV bytes/token | x smaller "
-             "| held bytes/token |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| cache | TTFT ms | x | prefill tok/s | decode tok/s | x | step build ms "
+             "| KV bytes/token | x smaller | held bytes/token |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
+        if "error" in r:
+            lines.append(f"| {name} | {r['error']} |||||||||")
+            continue
         lines.append(
-            f"| {name} | {r['prefill_tok_s']:.1f} | {r['prefill_tok_s'] / base['prefill_tok_s']:.2f} "
+            f"| {name} | {r['ttft_ms']:.1f} | {base['ttft_ms'] / r['ttft_ms']:.2f} "
+            f"| {r['prefill_tok_s']:.1f} "
             f"| {r['decode_tok_s']:.2f} | {r['decode_tok_s'] / base['decode_tok_s']:.2f} "
-            f"| {r['kv_bytes_per_token']:.0f} "
+            f"| {r['decode_build_ms']:.2f} | {r['kv_bytes_per_token']:.0f} "
             f"| {base['kv_bytes_per_token'] / r['kv_bytes_per_token']:.2f} "
             f"| {r['kv_physical_bytes_per_token']:.0f} |")
     return "\n".join(lines)
+
+
+def median_result(runs: list[dict]) -> dict:
+    """Medians over repeats of each number (chunk times: the first run's); an error wins."""
+    errors = [r for r in runs if "error" in r]
+    if errors:
+        return errors[0]
+    out = {key: statistics.median(r[key] for r in runs) for key in runs[0] if key != "chunk_ms"}
+    out["chunk_ms"] = runs[0]["chunk_ms"]
+    return out
 
 
 def main(argv=None) -> int:
@@ -141,51 +187,73 @@ def main(argv=None) -> int:
         description=__doc__.splitlines()[0],
         epilog="Full defaults are scaled for a 2-core CPU (5-11 minutes there): the 'scaled' "
                "model keeps Qwen3-0.6B's per-layer geometry with 4 layers and vocab 8192 "
-               "(71M parameters). On a bigger machine: --size 0.6b --prompt 2048 --decode 64 "
-               "--repeats 3")
+               "(71M parameters). On a GPU: --size llama-8b --contexts 2048,8192,32768 "
+               "--prefill-step 2048 --decode 32")
     parser.add_argument("--quick", action="store_true", help="tiny model, 256-token prompt, 16 decoded")
     parser.add_argument("--size", choices=sorted(SIZES), default=None,
-                        help="scaled (default), quick (--quick), 0.6b (the full geometry)")
+                        help="scaled (default), quick (--quick), 0.6b, llama-1b, llama-8b")
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (1024; 256 with --quick)")
+    parser.add_argument("--contexts", default=None,
+                        help="comma-separated prompt lengths, one table each (overrides --prompt)")
+    parser.add_argument("--arms", default=None,
+                        help="comma-separated arm names to run (default: all); KVCache always runs")
     parser.add_argument("--decode", type=int, default=None, help="decoded tokens (32; 16 with --quick)")
     parser.add_argument("--prefill-step", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--repeats", type=int, default=1, help="rounds over all arms; medians")
     parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    parser.add_argument("--out", default=None, help="also write the JSON here, after each context")
     args = parser.parse_args(argv)
     size = args.size or ("quick" if args.quick else "scaled")
     prompt_len = args.prompt or (256 if args.quick else 1024)
+    contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else [prompt_len]
     decode = args.decode or (16 if args.quick else 32)
     dtype = getattr(mx, args.dtype)
 
     model, params = build_model(size, dtype)
-    prompt = mx.random.randint(0, SIZES[size]["vocab_size"], (prompt_len,), dtype=mx.int32)
-    samples: dict[str, list[dict]] = {}
+    report = {"size": size, "params": params, "decode": decode, "dtype": args.dtype,
+              "prefill_step": args.prefill_step, "block_size": args.block_size,
+              "device": str(mx.default_device()), "contexts": {}}
+    all_arms = arms(model, args.block_size)
+    wanted = set(args.arms.split(",")) | {BASELINE} if args.arms else set(all_arms)
+    unknown = wanted - set(all_arms)
+    if unknown:
+        parser.error(f"unknown arms {sorted(unknown)}; known: {sorted(all_arms)}")
     with engine.installed(model):
-        # Arms take turns within each repeat, so load from other processes on a shared
-        # machine spreads over all of them instead of skewing the last ones.
-        for repeat in range(args.repeats):
-            for name, factory in arms(model, args.block_size).items():
-                samples.setdefault(name, []).append(
-                    measure(model, factory, prompt, decode, args.prefill_step))
-                print(f"  repeat {repeat + 1}/{args.repeats}: {name}", file=sys.stderr, flush=True)
-    results = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-               for name, runs in samples.items()}
+        for context in contexts:
+            prompt = mx.random.randint(0, SIZES[size]["vocab_size"], (context,), dtype=mx.int32)
+            samples: dict[str, list[dict]] = {}
+            # Arms take turns within each repeat, so load from other processes on a shared
+            # machine spreads over all of them instead of skewing the last ones.
+            for repeat in range(args.repeats):
+                for name, factory in all_arms.items():
+                    if name not in wanted:
+                        continue
+                    samples.setdefault(name, []).append(
+                        safe_measure(model, factory, prompt, decode, args.prefill_step))
+                    print(f"  {context} tokens, repeat {repeat + 1}/{args.repeats}: {name}",
+                          file=sys.stderr, flush=True)
+                    mx.clear_cache()
+            report["contexts"][context] = {name: median_result(runs) for name, runs in samples.items()}
+            if args.out:
+                with open(args.out, "w") as handle:
+                    json.dump(report, handle, indent=2)
     if args.json:
-        print(json.dumps({"size": size, "params": params, "prompt": prompt_len, "decode": decode,
-                          "dtype": args.dtype, "results": results}, indent=2))
+        print(json.dumps(report, indent=2))
         return 0
     print(f"## engine benchmark ({mx.default_device()}, {args.dtype})\n")
-    print(f"model: random-weight qwen3, size '{size}', {params / 1e6:.1f}M parameters, "
-          f"{SIZES[size]['num_hidden_layers']} layers")
-    if size != "0.6b":
+    print(f"model: random-weight {'llama' if size.startswith('llama') else 'qwen3'}, size '{size}', "
+          f"{params / 1e6:.1f}M parameters, {SIZES[size]['num_hidden_layers']} layers")
+    if size in ("scaled", "quick"):
         print("note: scaled down from the ~0.6B Qwen3 geometry (same heads and head dim per "
               "layer, fewer layers, smaller vocab) so the run fits a CPU; --size 0.6b runs "
               "the full model")
-    print(f"prompt {prompt_len} tokens (prefill step {args.prefill_step}), decode {decode} "
-          f"tokens, block {args.block_size} tokens, median of {args.repeats} round(s)\n\n{machine_line()}\n")
-    print(table(results, "mlx-lm KVCache"))
+    print(f"decode {decode} tokens, prefill step {args.prefill_step}, block {args.block_size} "
+          f"tokens, median of {args.repeats} round(s)\n\n{machine_line()}\n")
+    for context, results in report["contexts"].items():
+        print(f"### context {context} tokens\n")
+        print(table(results, BASELINE) + "\n")
     return 0
 
 
