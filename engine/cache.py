@@ -36,9 +36,9 @@ from engine.formats import (
     encode_tokens,
     gather_history,
     pages_from_blocks,
-    planes_from_page,
     resolve_format,
 )
+from engine.pagecopy import PageCopies, direct_writes, page_regions
 from engine.pool import BlockPool
 
 # Modules whose scaled_dot_product_attention is the engine's router right now, with
@@ -242,12 +242,14 @@ class PagedKVCache:
         self.offset = 0
 
     @classmethod
-    def from_pages(cls, pool: BlockPool, pages: list, **kwargs) -> "PagedKVCache":
+    def from_pages(cls, pool: BlockPool, pages: list, *, copies: PageCopies | None = None,
+                   **kwargs) -> "PagedKVCache":
         """A cache holding kvstore pages (bytes, in block order) as they are: no
         re-encoding. Every page but the last must hold a full block. Blocks are
-        allocated all at once (PoolExhausted changes nothing)."""
+        allocated all at once (PoolExhausted changes nothing). `copies`: see
+        append_pages."""
         cache = cls(pool, **kwargs)
-        cache.append_pages(pages)
+        cache.append_pages(pages, copies)
         return cache
 
     @classmethod
@@ -264,11 +266,16 @@ class PagedKVCache:
         cache.offset = num_tokens
         return cache
 
-    def append_pages(self, pages: list) -> None:
+    def append_pages(self, pages: list, copies: PageCopies | None = None) -> None:
         """Append kvstore pages after a block-aligned history, byte for byte.
 
-        Cost: one copy of each page into MLX and one slice write of each plane into
-        the pool (no gather, no padding, no scatter over the arena)."""
+        Blocks are allocated at once (PoolExhausted changes nothing), then each page is
+        copied once, straight into its block's slots in the pool planes: through host
+        views where arrays live in host memory (engine/pagecopy.py), else into the
+        pool's reused staging buffer and to the device in one transfer and one scatter
+        per plane. With `copies`, host-view copies are only added to it: the caller
+        runs them (on worker threads, for every layer together) while the page views
+        are valid, and before anything reads or writes this pool."""
         spec = self.spec
         size = spec.block_size_tokens
         if self.offset % size:
@@ -285,9 +292,19 @@ class PagedKVCache:
         stop = start + (len(pages) - 1) * size + lengths[-1] // per_token
         first = len(self._blocks)
         self._make_writable(start, stop)
-        for index, page in enumerate(pages):
-            count = min(size, stop - start - index * size)
-            self.pool.write(self._blocks[first + index], 0, planes_from_page(spec, page, count))
+        blocks = self._blocks[first:]
+        counts = [min(size, stop - start - index * size) for index in range(len(pages))]
+        if direct_writes():
+            inline = copies is None
+            copies = PageCopies() if inline else copies
+            hosts = self.pool.host_planes()  # name -> [num_blocks, H, bs, row bytes]
+            for page, block, count in zip(pages, blocks, counts, strict=True):
+                copies.add(page, page_regions(spec, count),
+                           {n: h[block, :, :count] for n, h in hosts.items()})
+            if inline:
+                copies.run()
+        else:
+            self.pool.write_pages(blocks, pages, counts)
         self.offset = stop
 
     # -- internals ----------------------------------------------------------------

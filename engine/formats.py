@@ -39,6 +39,7 @@ import numpy as np
 
 from engine.errors import FormatMismatch, UnknownPageFormat, UnpagedFormat, UnsupportedModel
 from engine.geometry import LayerGeometry, layer_geometry, model_fingerprint
+from engine.pagecopy import direct_writes, gather_pages, host_readable
 from kernels.hadamard import is_power_of_two, rotate, unrotate
 from kernels.layout import PageLayout
 from kernels.quant import dequantize, quantize
@@ -398,22 +399,24 @@ def planes_from_page(spec: PageSpec, data, tokens: int) -> dict[str, mx.array]:
 
 
 def pages_from_blocks(spec: PageSpec, arena: dict[str, mx.array], block_ids: list[int],
-                      num_tokens: int) -> list[bytes]:
+                      num_tokens: int) -> list[memoryview]:
     """The kvstore pages of a sequence: one per block, the last one possibly shorter.
 
     arena: name -> [num_blocks, H, block_size, width] (a pool layer's planes).
+    Cost: one copy of the pages' bytes, from the arena's own memory (host views,
+    engine/pagecopy.py) into one host buffer; on CUDA the blocks are gathered on the
+    device first and come over in one transfer per plane. The pages are read-only
+    views of that buffer (bytes-like: hash, send or compare them; bytes() copies).
     """
     size = spec.block_size_tokens
     if num_tokens > len(block_ids) * size or num_tokens <= (len(block_ids) - 1) * size:
         raise FormatMismatch(f"{num_tokens} tokens do not fill {len(block_ids)} blocks of {size}")
+    if direct_writes():
+        hosts = {name: host_readable(arena[name]) for name in spec.plane_names}
+        return gather_pages(spec, hosts, list(block_ids), num_tokens)
     ids = mx.array(block_ids, dtype=mx.int32)
-    gathered = {name: arena[name][ids] for name in spec.plane_names}
-    mx.eval(gathered)
-    pages = []
-    for i in range(len(block_ids)):
-        tokens = min(size, num_tokens - i * size)
-        pages.append(page_from_planes(spec, {n: g[i, :, :tokens] for n, g in gathered.items()}))
-    return pages
+    hosts = {name: host_readable(arena[name][ids]) for name in spec.plane_names}
+    return gather_pages(spec, hosts, list(range(len(block_ids))), num_tokens)
 
 
 def blocks_from_pages(spec: PageSpec, pages: list) -> tuple[dict[str, mx.array], int]:

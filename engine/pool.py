@@ -19,9 +19,11 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import numpy as np
 
 from engine.errors import PoolExhausted
 from engine.formats import PageSpec, require_paged
+from engine.pagecopy import PageCopies, StagingBuffer, host_view, page_regions
 
 
 class BlockPool:
@@ -44,6 +46,7 @@ class BlockPool:
         mx.eval(self.planes)
         self._refs: list[int] = [0] * num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0 first
+        self._staging = StagingBuffer()  # device backends only: pages on their way in
 
     def _plane_shape(self, name: str, num_blocks: int) -> tuple[int, int, int, int]:
         spec = self.spec
@@ -152,4 +155,35 @@ class BlockPool:
         """Copy every plane of one block into another (the copy of copy-on-write)."""
         assert self._refs[target] == 1, f"copy into block {target} with {self._refs[target]} refs"
         for name in self.spec.plane_names:
-            self.planes[name][target] = self.planes[name][source]
+            # a[b, :], not a[b]: an integer index alone is a gather copy in MLX 0.32
+            self.planes[name][target, :] = self.planes[name][source, :]
+
+    def host_planes(self) -> dict[str, np.ndarray]:
+        """name -> writable uint8 host view [num_blocks, H, block_size, row bytes] of the
+        planes (evaluated first; engine/pagecopy.py). Valid until the planes change:
+        write only blocks you own, and before the next MLX write into this pool."""
+        return {name: host_view(plane) for name, plane in self.planes.items()}
+
+    def write_pages(self, blocks: list[int], pages: list, counts: list[int]) -> None:
+        """Pages (bytes, page layout, counts[i] tokens each) into whole blocks, for
+        device backends: copied into the reused host staging buffer laid out as blocks,
+        then one host -> device transfer and one scatter per plane."""
+        for block in blocks:
+            assert self._refs[block] == 1, f"write into block {block} with {self._refs[block]} refs"
+        spec = self.spec
+        full = page_regions(spec, spec.block_size_tokens)  # a block's planes, in its row
+        rows = self._staging.rows(len(blocks), spec.block_nbytes)
+        copies = PageCopies()
+        for row, page, count in zip(rows, pages, counts, strict=True):
+            copies.add(page, page_regions(spec, count), {
+                r.name: row[r.start : r.start + r.nbytes].reshape(r.heads, r.tokens, r.row_nbytes)[:, :count]
+                for r in full})
+        copies.run()
+        staged = mx.array(rows)  # one transfer: [len(blocks), block bytes] u8
+        ids = mx.array(blocks, dtype=mx.int32)
+        for r in full:
+            dtype = spec.plane_dtypes[r.name]
+            plane = staged[:, r.start : r.start + r.nbytes]
+            plane = plane if dtype == mx.uint8 else plane.view(dtype)
+            self.planes[r.name][ids] = plane.reshape(len(blocks), r.heads, r.tokens, -1)
+        mx.eval(self.planes)

@@ -37,7 +37,8 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from engine.attachments import encode_attachment, token_offset
 from engine.cache import PagedKVCache
 from engine.errors import FormatMismatch, InvalidRequest, OffsetMismatch
-from engine.formats import PageSpec, page_specs
+from engine.formats import PageSpec, page_specs, pages_from_blocks
+from engine.pagecopy import PageCopies, direct_writes, host_readable, page_regions, page_targets
 from engine.stock import conversion_offset
 from kvstore.errors import MissingReferences
 from kvstore.format import FormatIdentity
@@ -54,23 +55,25 @@ DEFAULT_NAMESPACE = "default"
 
 @dataclass
 class LayerCapture:
-    """One paged layer's history in host memory: name -> [n_blocks, H, block, width]."""
+    """One paged layer's history in host memory, as its kvstore pages.
+
+    pages[i] is block i's page (the last covers only its tokens): read-only views of
+    one host buffer that the capture filled in one copy (engine/pagecopy.py)."""
 
     spec: PageSpec
-    planes: dict[str, np.ndarray]
+    pages: list[memoryview]
     num_tokens: int
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.planes.values())
+        return sum(p.nbytes for p in self.pages)
 
-    def page(self, index: int) -> bytes:
+    def page(self, index: int) -> memoryview:
         """Block `index` as kvstore page bytes (the last block holds only its tokens)."""
+        data = self.pages[index]
         size = self.spec.block_size_tokens
-        tokens = min(size, self.num_tokens - index * size)
-        data = b"".join(np.ascontiguousarray(self.planes[n][index, :, :tokens]).tobytes()
-                        for n in self.spec.plane_names)
-        assert len(data) == self.spec.page_nbytes(tokens), "page bytes do not fit the spec"
+        assert len(data) == self.spec.page_nbytes(min(size, self.num_tokens - index * size)), (
+            "page bytes do not fit the spec")
         return data
 
 
@@ -99,19 +102,13 @@ class PublishResult:
     checkpoint: str | None = None
 
 
-def _host(x: mx.array) -> np.ndarray:
-    return np.array(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x, copy=True)
-
-
 def _capture_paged(cache: PagedKVCache, spec: PageSpec, num_tokens: int) -> LayerCapture:
+    """The cache's first num_tokens tokens, read from the pool in one copy."""
     if cache.spec != spec:
         raise FormatMismatch(f"cache pages are {cache.spec}, the identity says {spec}")
-    size = spec.block_size_tokens
-    blocks = list(cache.block_ids[: -(-num_tokens // size)])
-    ids = mx.array(blocks or [0], dtype=mx.int32)
-    gathered = {n: cache.pool.planes[n][ids] for n in spec.plane_names}
-    mx.eval(gathered)
-    return LayerCapture(spec, {n: _host(g) for n, g in gathered.items()}, num_tokens)
+    blocks = list(cache.block_ids[: -(-num_tokens // spec.block_size_tokens)])
+    return LayerCapture(spec, pages_from_blocks(spec, cache.pool.planes, blocks, num_tokens),
+                        num_tokens)
 
 
 def _stock_planes(cache, spec: PageSpec) -> dict[str, mx.array]:
@@ -135,25 +132,29 @@ def _stock_planes(cache, spec: PageSpec) -> dict[str, mx.array]:
 
 
 def _capture_stock(cache, spec: PageSpec, num_tokens: int) -> LayerCapture:
-    """A KVCache's or QuantizedKVCache's first num_tokens tokens, as they are."""
+    """A KVCache's or QuantizedKVCache's first num_tokens tokens, as they are, in one
+    copy: each block's token range of each [1, H, capacity, width] array, read where
+    the array lies (engine/pagecopy.py), into one host buffer of pages."""
     size = spec.block_size_tokens
     n_blocks = -(-num_tokens // size)
-    planes = {}
+    hosts = {}
     for name, array in _stock_planes(cache, spec).items():
         expected = (spec.kv_heads, spec.plane_widths[name])
         if array.dtype != spec.plane_dtypes[name] or (array.shape[1], array.shape[3]) != expected:
             raise FormatMismatch(f"{type(cache).__name__} plane {name} is {array.dtype}{array.shape}, "
                                  f"the identity says {spec.plane_dtypes[name]} [1, {expected[0]}, "
                                  f"tokens, {expected[1]}] ({spec.format.name})")
-        history = array[0, :, :num_tokens]  # [H, T, W]
-        pad = n_blocks * size - num_tokens
-        if pad:
-            history = mx.concatenate([history, mx.zeros((history.shape[0], pad, history.shape[2]),
-                                                        history.dtype)], axis=1)
-        heads, _, width = history.shape
-        planes[name] = history.reshape(heads, n_blocks, size, width).transpose(1, 0, 2, 3)
-    mx.eval(planes)
-    return LayerCapture(spec, {n: _host(p) for n, p in planes.items()}, num_tokens)
+        hosts[name] = host_readable(array if direct_writes() else array[:, :, :num_tokens])[0]
+    rows = np.empty((n_blocks, spec.block_nbytes), dtype=np.uint8)
+    copies, pages = PageCopies(), []
+    for index in range(n_blocks):
+        lo = index * size
+        count = min(size, num_tokens - lo)
+        targets = page_targets(rows[index], page_regions(spec, count))
+        copies.add_pairs((targets[n], h[:, lo : lo + count]) for n, h in hosts.items())
+        pages.append(memoryview(rows[index, : spec.page_nbytes(count)]).toreadonly())
+    copies.run()
+    return LayerCapture(spec, pages, num_tokens)
 
 
 def capture(identity: FormatIdentity, tokens: Sequence[int], caches: Sequence,

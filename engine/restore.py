@@ -48,6 +48,7 @@ published bytes, byte for byte.
 from __future__ import annotations
 
 import logging
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Sequence
@@ -60,8 +61,9 @@ from engine.attachments import decode_attachment, token_offset
 from engine.cache import PagedKVCache
 from engine.engine_model import EngineModel, check_pools
 from engine.errors import FormatMismatch, InvalidRequest, OffsetMismatch, PoolExhausted
-from engine.formats import PAGED_FORMATS, PageSpec, blocks_from_pages, page_specs
+from engine.formats import PAGED_FORMATS, PageSpec, page_specs
 from engine.models import default_attention_impl
+from engine.pagecopy import PageCopies, StagingBuffer, direct_writes, host_view, page_regions
 from engine.publish import DEFAULT_NAMESPACE
 from engine.stock import ConvertedQuantizedKVCache, TrackedKVCache
 from kvstore.errors import IncompatibleFormat, NotFound
@@ -357,35 +359,93 @@ def _assert_one_offset(result: Restored) -> None:
         f"{result.checkpoint or ''}) left the layers at offsets {offsets}")
 
 
-def _history(spec: PageSpec, pages: list) -> tuple[dict[str, mx.array], int]:
-    """Pages (in block order) -> (name -> [1, H, tokens, width], tokens), bytes as they are."""
-    planes, n_tokens = blocks_from_pages(spec, pages)  # name -> [n, H, bs, W]
-    out = {}
-    for name, p in planes.items():
-        n, heads, size, width = p.shape
-        out[name] = p.transpose(1, 0, 2, 3).reshape(1, heads, n * size, width)[:, :, :n_tokens]
+def _history(spec: PageSpec, pages: list,
+             copies: PageCopies | None) -> tuple[dict[str, mx.array], int]:
+    """Pages (in block order) -> (name -> [1, H, tokens, width], tokens), bytes as they are.
+
+    Each plane is one array allocated for this layer; every page is copied once into
+    its token range by strided copies (through host views, or on device backends from
+    a reused host staging buffer in one transfer per plane). With `copies`, host-view
+    copies are only added to it and the caller runs them while the pages are valid."""
+    size = spec.block_size_tokens
+    _check_page_lengths(spec, pages)
+    tail = len(memoryview(pages[-1]).cast("B")) // spec.page_nbytes(1)
+    n_tokens = (len(pages) - 1) * size + tail
+    counts = [size] * (len(pages) - 1) + [tail]
+    widths, dtypes = spec.plane_widths, spec.plane_dtypes
+    shapes = {n: (spec.kv_heads, n_tokens, widths[n] * dtypes[n].size) for n in spec.plane_names}
+    if direct_writes():
+        out = {n: mx.zeros((1, spec.kv_heads, n_tokens, widths[n]), dtypes[n])
+               for n in spec.plane_names}
+        mx.eval(out)
+        hosts = {n: host_view(a)[0] for n, a in out.items()}  # [H, tokens, row bytes]
+    else:
+        staging = _STAGING.buffer().rows(1, sum(h * t * r for h, t, r in shapes.values()))[0]
+        hosts, at = {}, 0
+        for n, shape in shapes.items():
+            hosts[n] = staging[at : at + shape[0] * shape[1] * shape[2]].reshape(shape)
+            at += hosts[n].nbytes
+    inline = copies is None or not direct_writes()
+    run = PageCopies() if inline else copies
+    for index, (page, count) in enumerate(zip(pages, counts, strict=True)):
+        lo = index * size
+        run.add(page, page_regions(spec, count), {n: h[:, lo : lo + count] for n, h in hosts.items()})
+    if inline:
+        run.run()
+    if not direct_writes():  # one host -> device transfer per plane
+        out = {}
+        for n, h in hosts.items():
+            moved = mx.array(h)
+            out[n] = (moved if dtypes[n] == mx.uint8 else moved.view(dtypes[n]))[None]
+        mx.eval(out)
     return out, n_tokens
 
 
-def kvcache_from_pages(spec: PageSpec, pages: list) -> KVCache:
-    """An mlx-lm KVCache holding native pages (in block order): K/V [1, H, tokens, D]."""
+def _check_page_lengths(spec: PageSpec, pages: list) -> None:
+    """FormatMismatch unless every page but the last holds a full block and the last
+    holds 1..block_size_tokens whole tokens."""
+    size = spec.block_size_tokens
+    lengths = [len(memoryview(p).cast("B")) for p in pages]
+    full, per_token = spec.page_nbytes(size), spec.page_nbytes(1)
+    if any(n != full for n in lengths[:-1]):
+        raise FormatMismatch(f"every page but the last must hold a full block ({full} bytes)")
+    if not pages or lengths[-1] == 0 or lengths[-1] % per_token or lengths[-1] > full:
+        raise FormatMismatch(f"the last page must hold 1..{size} tokens of {per_token} bytes")
+
+
+class _ThreadStaging(threading.local):
+    """One reused host staging buffer per thread (device backends; restores may run on
+    several threads at once)."""
+
+    def buffer(self) -> StagingBuffer:
+        if not hasattr(self, "staging"):
+            self.staging = StagingBuffer()
+        return self.staging
+
+
+_STAGING = _ThreadStaging()
+
+
+def kvcache_from_pages(spec: PageSpec, pages: list, copies: PageCopies | None = None) -> KVCache:
+    """An mlx-lm KVCache holding native pages (in block order): K/V [1, H, tokens, D].
+    With `copies`, the page bytes land when the caller runs them (see _history)."""
     if not spec.format.native:
         raise FormatMismatch(f"a KVCache holds native K/V, not {spec.format.name} pages")
-    planes, n_tokens = _history(spec, pages)
+    planes, n_tokens = _history(spec, pages, copies)
     cache = TrackedKVCache()  # a later conversion (generate_step kv_bits) is recorded
     cache.state = (planes["k"], planes["v"], n_tokens)
     return cache
 
 
-def quantized_kvcache_from_pages(spec: PageSpec, pages: list,
-                                 converted_at_token: int = 0) -> QuantizedKVCache:
+def quantized_kvcache_from_pages(spec: PageSpec, pages: list, converted_at_token: int = 0,
+                                 copies: PageCopies | None = None) -> QuantizedKVCache:
     """An mlx-lm QuantizedKVCache holding mlx-qB pages (in block order), byte for byte:
     keys = (codes [1, H, tokens, Dk*B/32] u32, scales [1, H, tokens, Dk/G], biases
     [1, H, tokens, Dk/G]), values likewise; bits and group size from the spec. Pages of
     a converted cache come back as a ConvertedQuantizedKVCache with its offset."""
     if not spec.format.mlx_affine:
         raise FormatMismatch(f"a QuantizedKVCache holds mlx-qB pages, not {spec.format.name}")
-    planes, n_tokens = _history(spec, pages)
+    planes, n_tokens = _history(spec, pages, copies)
     cache = (ConvertedQuantizedKVCache(spec.group_size, spec.format.k_bits, converted_at_token)
              if converted_at_token else
              QuantizedKVCache(group_size=spec.group_size, bits=spec.format.k_bits))
@@ -431,15 +491,21 @@ def _build(engine_model: EngineModel, store: PageReader, plan: _Plan,
     attachment_names = sorted(ckpt.attachments) if ckpt is not None else []
     caches = _fresh(engine_model, plan, grant)
     paged = identity.paged_layers
+    copies = PageCopies()
     with _pages(store, digests + [ckpt.attachments[n] for n in attachment_names]) as views:
         nbytes = sum(len(v) for v in views)
         for j, layer in enumerate(paged):  # pages of block i, layer j: views[i * L + j]
             pages = [views[i * len(paged) + j] for i in range(len(fetched))]
-            caches[layer] = _layer_cache(engine_model, plan, layer, pages, adopted, grant)
+            caches[layer] = _layer_cache(engine_model, plan, layer, pages,
+                                         _Targets(adopted, grant, copies))
+        copies.run()  # every page once, into the pools or the caches' arrays
         for name, view in zip(attachment_names, views[len(digests):]):
             index = int(name.split(".", 1)[1])
             caches[index] = _attachment_cache(ckpt, index, view)
-        mx.eval([c.state for c in caches])
+            mx.eval(caches[index].state)  # decoded from the view: done before it closes
+    # What is still lazy (a native layer quantized on restore) is evaluated here; a paged
+    # layer's state is a gather of its whole history, which nothing reads: not evaluated.
+    mx.eval([c.state for c in caches if isinstance(c, QuantizedKVCache)])
     return Restored(caches, plan.tokens, len(blocks), nbytes,
                     "checkpoint" if ckpt is not None else "prefix",
                     ckpt.name if ckpt is not None else None, resident_blocks=shared)
@@ -465,23 +531,37 @@ def _attention_impl(engine_model: EngineModel, pool) -> str | None:
     return default_attention_impl(pool) if impl == "auto" else impl
 
 
+@dataclass(frozen=True)
+class _Targets:
+    """Where one restore's pages go: caches adopted from the resident index (layer ->
+    cache), the admission grant new caches are made under, and the copies to run."""
+
+    adopted: dict
+    grant: Grant | None
+    copies: PageCopies
+
+
 def _layer_cache(engine_model: EngineModel, plan: _Plan, layer: int, pages: list,
-                 adopted: dict, grant: Grant | None):
-    """One paged layer's cache holding `pages` (in block order) after any adopted ones."""
+                 targets: _Targets):
+    """One paged layer's cache laid out for `pages` (in block order) after any adopted
+    ones; the bytes land when targets.copies run."""
     spec = PageSpec.from_layer_spec(plan.identity.layers[layer], plan.identity.block_size_tokens)
+    adopted, grant, copies = targets.adopted, targets.grant, targets.copies
     if plan.cache_kind == "paged":
         pool = engine_model.pools[layer]
         impl = _attention_impl(engine_model, pool)
         if layer in adopted:
-            adopted[layer].append_pages(pages)
+            adopted[layer].append_pages(pages, copies)
             return adopted[layer]
         if grant is None:
-            return PagedKVCache.from_pages(pool, pages, attention_impl=impl)
-        return grant.cache_from_pages(pool, pages, attention_impl=impl)
+            return PagedKVCache.from_pages(pool, pages, attention_impl=impl, copies=copies)
+        return grant.cache_from_pages(pool, pages, attention_impl=impl, copies=copies)
     if spec.format.mlx_affine:  # cache_kind "quantized" (check_target)
-        return quantized_kvcache_from_pages(spec, pages, plan.identity.converted_at_token)
-    stock = kvcache_from_pages(spec, pages)
-    return stock.to_quantized(plan.group_size, plan.bits) if plan.cache_kind == "quantized" else stock
+        return quantized_kvcache_from_pages(spec, pages, plan.identity.converted_at_token,
+                                            copies)
+    if plan.cache_kind == "quantized":  # quantized from the copied bytes: copy first
+        return kvcache_from_pages(spec, pages).to_quantized(plan.group_size, plan.bits)
+    return kvcache_from_pages(spec, pages, copies)
 
 
 def _attachment_cache(ckpt: Checkpoint, index: int, view):

@@ -127,7 +127,7 @@ def test_blocks_from_pages_refuses_bad_lengths():
     with pytest.raises(FormatMismatch):
         blocks_from_pages(spec, [good[0][:-1], good[1]])
     with pytest.raises(FormatMismatch):
-        blocks_from_pages(spec, [good[0], good[1] + b"\0"])
+        blocks_from_pages(spec, [good[0], bytes(good[1]) + b"\0"])
 
 
 # -- identity ---------------------------------------------------------------------------

@@ -1,0 +1,203 @@
+"""Page bytes copied straight into memory the caller owns: pool planes, KVCache arrays.
+
+Nouns:
+  host view    a writable numpy array over an evaluated MLX array's own memory
+               (np.asarray(memoryview(arr)) aliases it; no copy). Valid on backends
+               whose arrays live in host-visible memory (CPU, Apple's unified memory);
+               on CUDA pages go through a StagingBuffer instead (see direct_writes).
+  regions      where each plane of a page sits in the page's bytes (engine/formats.py
+               gives the layout: planes concatenated, each [H, tokens, width] C order).
+  PageCopies   the copies of one restore, collected while caches are laid out and
+               run together on worker threads (numpy releases the GIL while it copies),
+               each page copied once, from the store's verified view to its target.
+
+Cost model (2-core CPU, 512 MiB of 1 MiB pages): one pass over the bytes at memcpy
+speed; no allocation the size of the restore, no MLX graph.
+
+`spec` is always an engine.formats.PageSpec (not imported: formats imports this module
+for pages_from_blocks).
+
+What it assumes: a target array is evaluated, row-contiguous in its last axis and
+referenced by the caller until the copies ran; nothing else writes it meanwhile (the
+blocks a pool hands out belong to their cache alone).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+# Page copies smaller than this run inline: a thread hop costs more than the copy.
+MIN_THREADED_NBYTES = 4 * 2**20
+DEFAULT_WORKERS = min(8, os.cpu_count() or 1)
+
+
+def direct_writes() -> bool:
+    """Whether restores write pages into MLX arrays through host views: True on the CPU
+    and on Apple's unified memory, False on CUDA, where the arrays are device memory
+    and pages travel in bulk through a host staging buffer (StagingBuffer)."""
+    return not (mx.default_device() == mx.gpu and mx.cuda.is_available())
+
+
+def host_view(x: mx.array) -> np.ndarray:
+    """A writable uint8 numpy view of x's memory: shape x.shape[:-1] + (row bytes,).
+
+    x is evaluated first. Refuses (AssertionError) an array that is not one
+    C-contiguous run of its buffer (a strided view): writing it is not this helper's
+    job (host_readable copies such an array instead)."""
+    mx.eval(x)
+    view = memoryview(x)
+    assert not view.readonly, "MLX gave a read-only buffer; a host view cannot write it"
+    assert view.c_contiguous, f"an array of shape {x.shape} and strides {view.strides} is not C-contiguous"
+    row_nbytes = x.shape[-1] * x.dtype.size if x.ndim else x.dtype.size
+    # bfloat16 has no PEP 3118 code: cast the bytes, then shape them
+    host = np.frombuffer(view.cast("B"), dtype=np.uint8)
+    return host.reshape(*x.shape[:-1], row_nbytes)
+
+
+@dataclass(frozen=True)
+class Region:
+    """One plane of a page: bytes [start, start + nbytes) hold [heads, tokens, row_nbytes]."""
+
+    name: str
+    start: int
+    heads: int
+    tokens: int
+    row_nbytes: int  # width * itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.heads * self.tokens * self.row_nbytes
+
+
+@functools.lru_cache(maxsize=1024)
+def page_regions(spec, tokens: int) -> tuple[Region, ...]:
+    """Where each plane of a page of `tokens` tokens sits, in plane order (cached: a
+    restore asks once per page)."""
+    out, start = [], 0
+    widths, dtypes = spec.plane_widths, spec.plane_dtypes
+    for name in spec.plane_names:
+        region = Region(name, start, spec.kv_heads, tokens, widths[name] * dtypes[name].size)
+        out.append(region)
+        start += region.nbytes
+    assert start == spec.page_nbytes(tokens), (start, spec.page_nbytes(tokens))
+    return tuple(out)
+
+
+def copy_page(page, regions: tuple[Region, ...], targets: dict[str, np.ndarray]) -> None:
+    """page (bytes-like) -> targets[name] ([heads, tokens, row_nbytes] uint8, any
+    strides: a pool block's slots or a KVCache's token range). One pass."""
+    for target, source in _page_pairs(page, regions, targets):
+        np.copyto(target, source)
+
+
+def _page_pairs(page, regions: tuple[Region, ...], targets: dict[str, np.ndarray]) -> list[tuple]:
+    raw = np.frombuffer(page, dtype=np.uint8)
+    return [(targets[r.name], raw[r.start : r.start + r.nbytes].reshape(r.heads, r.tokens, r.row_nbytes))
+            for r in regions]
+
+
+def page_targets(row: np.ndarray, regions: tuple[Region, ...]) -> dict[str, np.ndarray]:
+    """Views of one page-sized uint8 row as its planes [heads, tokens, row_nbytes]."""
+    return {r.name: row[r.start : r.start + r.nbytes].reshape(r.heads, r.tokens, r.row_nbytes)
+            for r in regions}
+
+
+def host_readable(x: mx.array) -> np.ndarray:
+    """x's bytes on the host as uint8 [..., row bytes]: its own memory where it can be
+    (host_view), else one device -> host copy (CUDA, or an unusual layout)."""
+    if direct_writes():
+        try:
+            return host_view(x)
+        except AssertionError:
+            pass
+    raw = x.view(mx.uint8) if x.dtype.size != 1 else x
+    return np.array(raw, copy=True)
+
+
+class PageCopies:
+    """The copies of one restore or capture: added while targets are laid out, run once.
+
+    A copy's source must stay valid until run() returns (the store's views are valid
+    inside its get_pages block; pool host views until the pool's next MLX write)."""
+
+    def __init__(self):
+        self._pairs: list[tuple[np.ndarray, np.ndarray]] = []  # (target, source)
+        self.nbytes = 0
+
+    def add(self, page, regions: tuple[Region, ...], targets: dict[str, np.ndarray]) -> None:
+        """Copy page's planes into targets (see copy_page)."""
+        self.add_pairs(_page_pairs(page, regions, targets))
+
+    def add_pairs(self, pairs) -> None:
+        """Copy each source array into its target (same shape, uint8)."""
+        for target, source in pairs:
+            assert target.shape == source.shape, (target.shape, source.shape)
+            self._pairs.append((target, source))
+            self.nbytes += source.nbytes
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def run(self, workers: int = DEFAULT_WORKERS) -> None:
+        """Every copy, on up to `workers` threads (inline below MIN_THREADED_NBYTES)."""
+        pairs, self._pairs, nbytes, self.nbytes = self._pairs, [], self.nbytes, 0
+        if workers <= 1 or nbytes < MIN_THREADED_NBYTES or len(pairs) < 2:
+            _copy_all(pairs)
+            return
+        # Contiguous runs per thread: neighbouring copies share target rows.
+        step = -(-len(pairs) // workers)
+        chunks = [pairs[i : i + step] for i in range(0, len(pairs), step)]
+        with ThreadPoolExecutor(len(chunks), thread_name_prefix="kv-copy") as pool:
+            for future in [pool.submit(_copy_all, c) for c in chunks]:
+                future.result()
+
+
+def _copy_all(pairs: list[tuple]) -> None:
+    for target, source in pairs:
+        np.copyto(target, source)
+
+
+class StagingBuffer:
+    """Host memory reused across restores, for backends whose arrays are device memory.
+
+    Pages are copied into it (laid out as whole blocks), then travel to the device in
+    one transfer per layer. It grows to the largest restore seen and stays."""
+
+    def __init__(self):
+        self._buffer = np.empty(0, dtype=np.uint8)
+
+    def rows(self, count: int, row_nbytes: int) -> np.ndarray:
+        """[count, row_nbytes] uint8 over the buffer (contents undefined)."""
+        need = count * row_nbytes
+        if self._buffer.nbytes < need:
+            self._buffer = np.empty(need, dtype=np.uint8)
+        return self._buffer[:need].reshape(count, row_nbytes)
+
+
+def gather_pages(spec, hosts: dict[str, np.ndarray], block_ids: list[int],
+                 num_tokens: int) -> list[memoryview]:
+    """The kvstore pages of blocks, in one copy: hosts[name] is a layer's plane on the
+    host ([num_blocks, H, block_size, row bytes], host_readable of the pool's planes).
+    Returns read-only views of one buffer allocated here, the last page possibly
+    shorter (capture and pages_from_blocks)."""
+    size = spec.block_size_tokens
+    rows = np.empty((len(block_ids), spec.block_nbytes), dtype=np.uint8)
+    copies, pages = PageCopies(), []
+    for index, block in enumerate(block_ids):
+        count = min(size, num_tokens - index * size)
+        regions = page_regions(spec, count)
+        targets = page_targets(rows[index], regions)
+        copies.add_pairs((targets[n], h[block, :, :count]) for n, h in hosts.items())
+        pages.append(memoryview(rows[index, : spec.page_nbytes(count)]).toreadonly())
+    copies.run()
+    return pages
+
+
+__all__ = ["PageCopies", "Region", "StagingBuffer", "copy_page", "direct_writes", "gather_pages",
+           "host_readable", "host_view", "page_regions", "page_targets"]
