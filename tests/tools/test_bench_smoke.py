@@ -111,3 +111,20 @@ def test_ttft_quick_covers_every_format_and_restores_what_the_first_recompute_pu
     rows = json.loads(out.read_text())
     assert [r["format"] for r in rows] == ["native", "k8v8", "k8v4", "k4v4"]
     assert all(r["prompt_tokens"] == 300 and r["restored_bytes"] > 0 for r in rows)
+
+
+def test_store_json_prints_one_object_with_every_ratio(capsys):
+    """--json: one JSON object on stdout; "ratios" holds issue 19's stable names, each a
+    positive ratio of this run's medians (computed from the cases it reports)."""
+    from tools.bench import store
+
+    assert store.main(["--quick", "--repeats", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    names = {"restore_pages_vs_load_prompt_cache", "restore_pools_vs_load_prompt_cache",
+             "restore_kvcache_vs_load_prompt_cache", "restore_pages_vs_limit",
+             "save_vs_save_prompt_cache", "resave_vs_save", "capture_vs_memcpy"}
+    assert set(doc["ratios"]) == names
+    medians = {name: case["median_s"] for name, case in doc["cases"].items()}
+    assert all(m > 0 for m in medians.values())
+    for name, numerator, denominator, _ in store.RATIOS:
+        assert doc["ratios"][name] == medians[numerator] / medians[denominator]

@@ -1,45 +1,61 @@
-"""Store benchmark: an 8B-shaped 4096-token prefix through kvstore and through mlx-lm.
+"""Store benchmark: an 8B-shaped 4096-token prefix through kvstore, the engine and mlx-lm.
 
 Usage:
   python -m tools.bench.store              # 32 layers, 4096 tokens: 512 MiB of pages
   python -m tools.bench.store --quick      # 4 layers, 1024 tokens: 16 MiB (seconds)
+  python -m tools.bench.store --json       # one JSON object (cases, medians, "ratios")
   python -m tools.bench.store --repeats 7 --dir /path/on/the/disk/to/measure
 
-The prefix is shaped like Llama-3-8B's KV cache: 32 layers, 8 KV heads, head dim 128,
+The prefix is shaped like Llama-3.1-8B's KV cache: 32 layers, 8 KV heads, head dim 128,
 bf16, 256-token blocks, so one page (one layer of one block, K then V) is 1 MiB and the
-prefix is 16 blocks x 32 layers = 512 pages. K and V are random bf16-sized bytes.
+prefix is 16 blocks x 32 layers = 512 pages. K and V are random bf16-sized bytes. The
+engine cases use a llama model of that KV geometry (hidden 256: its weights are never
+run, only its format identity and pools matter).
 
-Cases, each timed end to end, with the repeats interleaved (case 1..n, then again) so
-drift in the machine's load cancels out of the ratios:
+Cases, each timed end to end, with the repeats interleaved (the order rotated each time)
+so that drift in the machine's load cancels out of the ratios:
 
   first durable save   a fresh store: chain keys, digests, missing(), put_pages,
-                       commit_blocks. Durable on return (LMDB fdatasyncs data and meta).
-                       Pages are prebuilt, as the engine's pool holds them.
+                       commit_blocks. Durable on return. Pages are prebuilt, as the
+                       engine's capture leaves them.
   re-save              the same prefix again, as the engine does it: chain keys, then
                        has_blocks() finds every block stored and nothing is uploaded.
-  restore -> MLX page arrays
-                       lookup_prefix, get_pages (zero-copy views into the LMDB map, each
-                       page verified by its xxh3-128), one MLX array per page
-                       ([2, 8, 256, 128] bf16, K then V: what a paged cache holds), mx.eval.
-  restore -> MLX [1,8,T,128] K/V
-                       the same, gathered into one [1, 8, 4096, 128] bf16 K and V per
-                       layer (mlx-lm's KVCache layout): one more copy.
+  restore -> page arrays
+                       lookup_prefix, get_pages (verified views of the store's map), every
+                       page copied once on worker threads into preallocated MLX arrays
+                       (one [blocks, page bytes] array per layer, reused: what a caller
+                       that owns its memory gets).
+  restore -> pools     engine.restore(..., cache_kind="paged"): the engine path into the
+                       model's BlockPools (PagedKVCache per layer); caches freed after.
+  restore -> KVCache   engine.restore(..., cache_kind="kvcache"): mlx-lm KVCache layout,
+                       K and V [1, 8, 4096, 128] bf16 per layer, written by strided copies.
+  publish capture      engine.publish.capture of the restored paged caches: the pages
+                       copied out of the pools into host memory (what a publication pins).
+  memcpy + xxh3 limit  per page, xxh3-128 then a copy into a preallocated buffer, one
+                       thread, from memory: one hash pass plus one copy, the least any
+                       verified restore does.
+  memory copy          the 512 MiB copied between preallocated buffers (numpy).
   save_prompt_cache    mlx-lm: KVCache objects holding the same K and V, written to a
                        .safetensors file (no fsync: mlx-lm does not sync).
   load_prompt_cache    mlx-lm: read that file back, mx.eval every K and V.
-  file write+fsync     the 512 MiB of pages written to one file and fsynced.
-  file read            that file read into one preallocated buffer.
-  memory copy          the same bytes copied from memory into that buffer (numpy): the
-                       physical limit for any restore that lands its bytes in fresh memory.
+  file write + fsync, file read
+                       the same bytes as one plain file.
 
-Targets (printed as hit or miss, never hidden): restore >= 2.5x faster than
-load_prompt_cache; the first durable save no slower than save_prompt_cache; re-save
->= 50x faster than the first save.
+Ratios (stable names in --json's "ratios"; each a ratio of medians of this run, > 1
+means ours is faster), with the targets of issue 19:
+  restore_pages_vs_load_prompt_cache   >= 1.3
+  restore_pools_vs_load_prompt_cache   >= 1.3
+  restore_kvcache_vs_load_prompt_cache >= 1.0
+  restore_pages_vs_limit               >= 1/1.3 (limit time / restore time)
+  save_vs_save_prompt_cache            >= 1.0
+  resave_vs_save                       >= 50
+  capture_vs_memcpy                    >= 0.5 (capture within 2x one memcpy)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -51,13 +67,17 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import xxhash
+from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
-from kvstore.format import FormatIdentity, LayerSpec
+from engine import EngineModel, KVPolicy, RestoreRequest, restore
+from engine.pagecopy import PageCopies, host_view
+from engine.publish import capture
 from kvstore.ids import chain_keys, page_digest
 from kvstore.records import blocks_for_tokens
 from kvstore.store import Store
-from tools.bench.common import machine_line
+from tools.bench.common import interleaved, machine_line, timed
 
 NAMESPACE = "bench"
 
@@ -86,23 +106,46 @@ class Shape:
 FULL = Shape(layers=32, kv_heads=8, head_dim=128, tokens=4096, block_size_tokens=256)
 QUICK = Shape(layers=4, kv_heads=8, head_dim=128, tokens=1024, block_size_tokens=256)
 
+# (ratio name, numerator case, denominator case, target): ratio = numerator / denominator
+RATIOS = (
+    ("restore_pages_vs_load_prompt_cache", "mlx-lm load_prompt_cache + eval", "restore -> page arrays", 1.3),
+    ("restore_pools_vs_load_prompt_cache", "mlx-lm load_prompt_cache + eval", "restore -> pools (engine)", 1.3),
+    ("restore_kvcache_vs_load_prompt_cache", "mlx-lm load_prompt_cache + eval",
+     "restore -> KVCache layout (engine)", 1.0),
+    ("restore_pages_vs_limit", "memcpy + xxh3 limit", "restore -> page arrays", 1 / 1.3),
+    ("save_vs_save_prompt_cache", "mlx-lm save_prompt_cache", "first durable save", 1.0),
+    ("resave_vs_save", "first durable save", "re-save (all blocks stored)", 50.0),
+    ("capture_vs_memcpy", "memory copy", "publish capture", 0.5),
+)
+
+
+def engine_model(shape: Shape) -> EngineModel:
+    """A llama model with the shape's KV geometry (tiny hidden size: never run)."""
+    config = dict(model_type="llama", hidden_size=256, num_hidden_layers=shape.layers,
+                  intermediate_size=64, num_attention_heads=32, num_key_value_heads=shape.kv_heads,
+                  head_dim=shape.head_dim, rms_norm_eps=1e-5, vocab_size=256, rope_theta=500000.0,
+                  tie_word_embeddings=True, max_position_embeddings=131072)
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    return EngineModel(model, "bench/llama-3.1-8b-shaped",
+                       policy=KVPolicy(block_size_tokens=shape.block_size_tokens))
+
 
 class Prefix:
     """The prefix in both shapes: per-layer K and V arrays (for mlx-lm) and per-block
-    pages (for kvstore), holding the same bytes."""
+    pages (for kvstore), holding the same bytes, under the engine model's identity."""
 
-    def __init__(self, shape: Shape, seed: int = 0):
+    def __init__(self, shape: Shape, identity, seed: int = 0):
         self.shape = shape
+        self.identity = identity
         rng = np.random.default_rng(seed)
         s = shape
         # kv[layer]: [2, heads, tokens, dim] u16 (bf16 bit patterns), K then V
         self.kv = [rng.integers(0, 2**16, size=(2, s.kv_heads, s.tokens, s.head_dim), dtype=np.uint16)
                    for _ in range(s.layers)]
-        self.tokens = rng.integers(0, 128_000, size=s.tokens).tolist()
-        layer = LayerSpec(kv_heads=s.kv_heads, k_head_dim=s.head_dim, v_head_dim=s.head_dim,
-                          page_format="native-bf16")
-        self.identity = FormatIdentity("bench/llama-8b-shaped", "bench", s.block_size_tokens,
-                                       (layer,) * s.layers)
+        self.tokens = rng.integers(0, 256, size=s.tokens).tolist()
         # pages[block][layer]: K [heads, block, dim] then V, C order (docs/format.md section 6)
         bs = s.block_size_tokens
         self.pages = [[np.ascontiguousarray(self.kv[li][:, :, b * bs:(b + 1) * bs, :]).tobytes()
@@ -138,56 +181,49 @@ def save_prefix(store: Store, prefix: Prefix) -> int:
     return len(absent)
 
 
-def restore_pages_to_mlx(store: Store, prefix: Prefix) -> list[mx.array]:
-    """lookup_prefix + get_pages -> one MLX array per page, [2, heads, block, dim] bf16
-    (K then V): the page-shaped arrays a paged cache consumes. One copy per page, from
-    the LMDB map into MLX memory, after get_pages has verified it."""
-    s = prefix.shape
-    match = store.lookup_prefix(prefix.identity.format_id, NAMESPACE, prefix.tokens)
-    assert match.tokens_matched == s.tokens, f"restore matched {match.tokens_matched} tokens"
-    page_shape = (2, s.kv_heads, s.block_size_tokens, s.head_dim)
-    with store.get_pages([d for b in match.blocks for d in b.pages]) as views:
-        out = [mx.array(np.frombuffer(v, dtype=np.uint16).reshape(page_shape)).view(mx.bfloat16)
-               for v in views]
-    mx.eval(out)
-    return out
+class PageArrays:
+    """Caller-owned MLX memory for the prefix's pages: per layer one [blocks, page
+    bytes] uint8 array, allocated once and reused by every restore."""
+
+    def __init__(self, shape: Shape):
+        self.arrays = [mx.zeros((shape.blocks, shape.page_nbytes), mx.uint8) for _ in range(shape.layers)]
+        mx.eval(self.arrays)
+
+    def restore(self, store: Store, prefix: Prefix) -> None:
+        """lookup_prefix + get_pages -> each page copied once into its row (threads)."""
+        s = prefix.shape
+        match = store.lookup_prefix(prefix.identity.format_id, NAMESPACE, prefix.tokens)
+        assert match.tokens_matched == s.tokens, f"restore matched {match.tokens_matched} tokens"
+        hosts = [host_view(a) for a in self.arrays]
+        copies = PageCopies()
+        with store.get_pages([d for b in match.blocks for d in b.pages]) as views:
+            for i, view in enumerate(views):
+                block, layer = divmod(i, s.layers)
+                copies.add_pairs([(hosts[layer][block], np.frombuffer(view, dtype=np.uint8))])
+            copies.run()
 
 
-def restore_contiguous_to_mlx(store: Store, prefix: Prefix, staging: np.ndarray
-                              ) -> list[tuple[mx.array, mx.array]]:
-    """lookup_prefix + get_pages -> per layer K, V: [1, heads, tokens, dim] bf16, the
-    layout mlx-lm's KVCache holds. staging: [layers, 2, heads, tokens, dim] u16, reused
-    across calls like an engine's arena. Two copies: map -> staging (strided) -> MLX."""
-    s = prefix.shape
-    bs = s.block_size_tokens
-    match = store.lookup_prefix(prefix.identity.format_id, NAMESPACE, prefix.tokens)
-    assert match.tokens_matched == s.tokens, f"restore matched {match.tokens_matched} tokens"
-    with store.get_pages([d for b in match.blocks for d in b.pages]) as views:
-        for i, view in enumerate(views):
-            b, li = divmod(i, s.layers)
-            page = np.frombuffer(view, dtype=np.uint16).reshape(2, s.kv_heads, bs, s.head_dim)
-            staging[li, :, :, b * bs:(b + 1) * bs, :] = page
-    whole = mx.array(staging).view(mx.bfloat16)
-    out = [(whole[li, 0][None], whole[li, 1][None]) for li in range(s.layers)]
-    mx.eval(out)
-    return out
-
-
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+def limit_copy(blob: memoryview, page_nbytes: int, out: np.ndarray) -> None:
+    """xxh3-128 then a copy, per page, one thread: one hash pass plus one copy."""
+    source = np.frombuffer(blob, dtype=np.uint8)
+    for start in range(0, len(source), page_nbytes):
+        page = source[start : start + page_nbytes]
+        xxhash.xxh3_128_digest(page)
+        np.copyto(out[start : start + page_nbytes], page)
 
 
 def run(shape: Shape, repeats: int, root: Path) -> dict[str, list[float]]:
-    prefix = Prefix(shape)
+    model = engine_model(shape)
+    prefix = Prefix(shape, model.identity)
     caches = prefix.kv_caches()
-    blob = b"".join(p for row in prefix.pages for p in row)
-    read_buffer = bytearray(len(blob))
-    times: dict[str, list[float]] = {}
+    blob = memoryview(b"".join(p for row in prefix.pages for p in row))
+    read_buffer = np.empty(len(blob), dtype=np.uint8)
+    read_buffer.fill(0)  # touched once: no case pays its first page faults
     warm_store_dir = root / "warm"
     cache_file = str(root / "prompt.safetensors")
     plain_file = root / "plain.bin"
+    request = RestoreRequest(prefix.tokens + [0], namespace=NAMESPACE)  # all 4096 prompt tokens restorable
+    kv_request = RestoreRequest(prefix.tokens + [0], cache_kind="kvcache", namespace=NAMESPACE)
 
     def first_save():
         path = root / "fresh"
@@ -211,42 +247,90 @@ def run(shape: Shape, repeats: int, root: Path) -> dict[str, list[float]]:
         loaded = load_prompt_cache(cache_file)
         mx.eval([c.state for c in loaded])
 
-    staging = np.empty((shape.layers, 2, shape.kv_heads, shape.tokens, shape.head_dim), dtype=np.uint16)
+    def restore_and_free(store, req):
+        """Seconds of one engine restore; paged caches give their blocks back after."""
+        t0 = time.perf_counter()
+        result = restore(model, store, req)
+        seconds = time.perf_counter() - t0
+        assert result.tokens_restored == shape.tokens, result.tokens_restored
+        if req.cache_kind == "paged":
+            for c in result.cache:
+                c.free()
+        return seconds
+
+    page_arrays = PageArrays(shape)
     with Store(warm_store_dir) as warm:
         save_prefix(warm, prefix)
-        # correctness, once: both restores return exactly the prefix's bytes
-        pages = restore_pages_to_mlx(warm, prefix)
-        bs = shape.block_size_tokens
-        for b, li in ((0, 0), (shape.blocks - 1, shape.layers - 1)):
-            np.testing.assert_array_equal(np.array(pages[b * shape.layers + li].view(mx.uint16)),
-                                          prefix.kv[li][:, :, b * bs:(b + 1) * bs, :])
-        contiguous = restore_contiguous_to_mlx(warm, prefix, staging)
-        for li in (0, shape.layers - 1):
-            np.testing.assert_array_equal(np.array(contiguous[li][0].view(mx.uint16))[0], prefix.kv[li][0])
-            np.testing.assert_array_equal(np.array(contiguous[li][1].view(mx.uint16))[0], prefix.kv[li][1])
-        del pages, contiguous
+        check_restores(warm, prefix, model, page_arrays)
+        held = restore(model, warm, request).cache  # the paged caches capture reads
         save_prompt_cache(cache_file, caches)
         plain_write()
         cases = {
             "first durable save": first_save,
             "re-save (all blocks stored)": lambda: timed(lambda: save_prefix(warm, prefix)),
-            "restore -> MLX page arrays": lambda: timed(lambda: restore_pages_to_mlx(warm, prefix)),
-            "restore -> MLX [1,8,T,128] K/V": lambda: timed(
-                lambda: restore_contiguous_to_mlx(warm, prefix, staging)),
+            "restore -> page arrays": lambda: timed(lambda: page_arrays.restore(warm, prefix)),
+            "restore -> pools (engine)": lambda: restore_and_free(warm, request),
+            "restore -> KVCache layout (engine)": lambda: restore_and_free(warm, kv_request),
+            "publish capture": lambda: timed(lambda: capture(model.identity, prefix.tokens, held)),
+            "memcpy + xxh3 limit": lambda: timed(lambda: limit_copy(blob, shape.page_nbytes, read_buffer)),
+            "memory copy": lambda: timed(lambda: np.copyto(read_buffer, np.frombuffer(blob, dtype=np.uint8))),
+            "xxh3 pass": lambda: timed(lambda: xxhash.xxh3_128_digest(blob)),
             "mlx-lm save_prompt_cache": lambda: timed(lambda: save_prompt_cache(cache_file, caches)),
             "mlx-lm load_prompt_cache + eval": lambda: timed(load_and_eval),
             "file write + fsync": lambda: timed(plain_write),
             "file read": lambda: timed(plain_read),
-            "memory copy (physical limit)": lambda: timed(
-                lambda: np.copyto(np.frombuffer(read_buffer, dtype=np.uint8), np.frombuffer(blob, dtype=np.uint8))),
         }
-        for _ in range(repeats):
-            for name, case in cases.items():
-                times.setdefault(name, []).append(case())
-    return times
+        # each case returns its own seconds: interleaved() times the wrapper, so take
+        # the inner figure (setup such as removing a fresh store stays out of it)
+        inner: dict[str, list[float]] = {name: [] for name in cases}
+        wrapped = {name: (lambda n=name, fn=fn: inner[n].append(fn())) for name, fn in cases.items()}
+        interleaved(wrapped, repeats)
+        for c in held:
+            c.free()
+    return inner
+
+
+def check_restores(store: Store, prefix: Prefix, model: EngineModel, page_arrays: PageArrays) -> None:
+    """Once, untimed: every restore path gives exactly the prefix's bytes."""
+    s = prefix.shape
+    page_arrays.restore(store, prefix)
+    for b, li in ((0, 0), (s.blocks - 1, s.layers - 1)):
+        assert np.array(page_arrays.arrays[li][b]).tobytes() == prefix.pages[b][li], "page arrays differ"
+    kv = restore(model, store, RestoreRequest(prefix.tokens + [0], cache_kind="kvcache", namespace=NAMESPACE)).cache
+    paged = restore(model, store, RestoreRequest(prefix.tokens + [0], namespace=NAMESPACE)).cache
+    for li in (0, s.layers - 1):
+        np.testing.assert_array_equal(np.array(kv[li].keys.view(mx.uint16))[0], prefix.kv[li][0])
+        np.testing.assert_array_equal(np.array(kv[li].values.view(mx.uint16))[0], prefix.kv[li][1])
+        keys, values = paged[li].state
+        np.testing.assert_array_equal(np.array(keys.view(mx.uint16))[0], prefix.kv[li][0])
+        np.testing.assert_array_equal(np.array(values.view(mx.uint16))[0], prefix.kv[li][1])
+    cap = capture(model.identity, prefix.tokens, paged)
+    assert all(bytes(cap.layers[li].page(b)) == prefix.pages[b][li]
+               for b in (0, s.blocks - 1) for li in (0, s.layers - 1)), "capture differs"
+    for c in paged:
+        c.free()
 
 
 # -- report ------------------------------------------------------------------------------
+def ratios(times: dict[str, list[float]]) -> dict[str, float]:
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {name: med[num] / med[den] for name, num, den, _ in RATIOS}
+
+
+def document(shape: Shape, times: dict[str, list[float]]) -> dict:
+    return {
+        "shape": {"layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
+                  "tokens": shape.tokens, "block_size_tokens": shape.block_size_tokens,
+                  "nbytes": shape.nbytes},
+        "machine": machine_line(),
+        "repeats": len(next(iter(times.values()))),
+        "cases": {name: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v),
+                         "samples_s": v} for name, v in times.items()},
+        "ratios": ratios(times),
+        "targets": {name: target for name, _, _, target in RATIOS},
+    }
+
+
 def table(shape: Shape, times: dict[str, list[float]]) -> str:
     med = {k: statistics.median(v) for k, v in times.items()}
     gib = shape.nbytes / 2**30
@@ -264,25 +348,10 @@ def table(shape: Shape, times: dict[str, list[float]]) -> str:
     for name, values in times.items():
         lines.append(f"| {name} | {1e3 * med[name]:.1f} | {1e3 * min(values):.1f}-{1e3 * max(values):.1f} "
                      f"| {gib / med[name]:.2f} |")
-    load = med["mlx-lm load_prompt_cache + eval"]
-    targets = [
-        ("restore (page arrays) vs load_prompt_cache", load / med["restore -> MLX page arrays"],
-         2.5, "x faster"),
-        ("restore ([1,8,T,128] K/V) vs load_prompt_cache", load / med["restore -> MLX [1,8,T,128] K/V"],
-         2.5, "x faster"),
-        ("first durable save vs save_prompt_cache",
-         med["mlx-lm save_prompt_cache"] / med["first durable save"], 1.0, "x as fast"),
-        ("re-save vs first save", med["first durable save"] / med["re-save (all blocks stored)"], 50.0,
-         "x faster"),
-    ]
-    lines += ["", "| ratio (medians) | measured | target | |", "|---|---:|---:|---|"]
-    for name, ratio, target, unit in targets:
-        lines.append(f"| {name} | {ratio:.2f}{unit} | >= {target:g} | {'hit' if ratio >= target else 'MISS'} |")
-    lines.append("")
-    lines.append("Peers in the same run: restore (page arrays) vs file read "
-                 f"{med['file read'] / med['restore -> MLX page arrays']:.2f}x; first durable save vs file "
-                 f"write + fsync {med['file write + fsync'] / med['first durable save']:.2f}x; restore (page arrays) vs "
-                 f"memory copy {med['memory copy (physical limit)'] / med['restore -> MLX page arrays']:.2f}x.")
+    lines += ["", "| ratio (medians; > 1: ours faster) | measured | target | |", "|---|---:|---:|---|"]
+    for name, value in ratios(times).items():
+        target = dict((n, t) for n, _, _, t in RATIOS)[name]
+        lines.append(f"| {name} | {value:.2f} | >= {target:.2f} | {'hit' if value >= target else 'MISS'} |")
     return "\n".join(lines)
 
 
@@ -291,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="4 layers, 1024 tokens (16 MiB)")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (5; 3 with --quick)")
     parser.add_argument("--dir", type=Path, default=None, help="where the store and files go (a temp dir)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = parser.parse_args(argv)
     shape = QUICK if args.quick else FULL
     repeats = args.repeats or (3 if args.quick else 5)
@@ -299,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         times = run(shape, repeats, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(table(shape, times))
+    print(json.dumps(document(shape, times)) if args.json else table(shape, times))
     return 0
 
 

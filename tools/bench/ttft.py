@@ -4,6 +4,7 @@ Usage:
   python -m tools.bench.ttft                    # CPU-scaled model, 512/2K/8K prompts, native + k4v4
   python -m tools.bench.ttft --quick            # toy model, 256/512 prompts, all four formats (seconds)
   python -m tools.bench.ttft --size 1b          # Llama-3.2-1B geometry (for a GPU)
+  python -m tools.bench.ttft --size 8b          # Llama-3.1-8B geometry (for a GPU)
   python -m tools.bench.ttft --json out.json
 
 For each prompt length and page format, in one run, interleaved:
@@ -56,6 +57,9 @@ from tools.bench.common import machine_line
 SIZES = {
     "1b": dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=32,
                num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256),
+    # Llama-3.1-8B's geometry (for a GPU): 512 MiB of bf16 KV per 4096 tokens
+    "8b": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256),
     # "cpu": the 1B's KV geometry per layer, 2 layers (see the module docstring)
     "cpu": dict(num_hidden_layers=2, hidden_size=512, num_attention_heads=8,
                 num_key_value_heads=8, head_dim=64, intermediate_size=1024, vocab_size=4096),
@@ -179,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="toy model, 256/512-token prompts, all four formats, 2 repeats")
     parser.add_argument("--size", choices=sorted(SIZES),
                         help="model: cpu (default: 2 layers, 7.3M parameters), quick (--quick), "
-                             "1b (Llama-3.2-1B geometry, for a GPU)")
+                             "1b (Llama-3.2-1B geometry, for a GPU), 8b (Llama-3.1-8B geometry: 32 "
+                             "layers, hidden 4096, 32 query / 8 KV heads of 128, MLP 14336; "
+                             "for a GPU)")
     parser.add_argument("--prompts", type=int, nargs="+",
                         help="prompt lengths in tokens (default 512 2048 8192; --quick 256 512)")
     parser.add_argument("--formats", nargs="+", choices=ALL_FORMATS,
