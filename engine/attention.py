@@ -46,23 +46,31 @@ _originals: dict[str, object] = {}  # module name -> its original function while
 _installs: dict[int, list[str]] = {}  # id(model) -> module names it patched, in order
 
 
-_checking = threading.local()
+class _Checking(threading.local):
+    active = False
+    calls = 0
+
+
+_checking = _Checking()
 
 
 @contextlib.contextmanager
 def checking():
     """Inside: the router's calls are the load-time check's, not the served model's
-    (they go to the kernels directly, past anything that wraps paged_attention)."""
-    _checking.active = True
+    (they go to the kernels directly, past anything that wraps paged_attention).
+    Yields a function returning how many calls the router made so far."""
+    _checking.active, _checking.calls = True, 0
     try:
-        yield
+        yield lambda: _checking.calls
     finally:
         _checking.active = False
 
 
 def attend(cache: PagedKVCache, queries, *, scale: float, mask=None, sinks=None):
     """queries [1, Hq, L, Dk] (unrotated, model dtype) -> [1, Hq, L, Dv] over the cache."""
-    kernel = _kernel_attention if getattr(_checking, "active", False) else paged_attention
+    kernel = paged_attention
+    if _checking.active:
+        kernel, _checking.calls = _kernel_attention, _checking.calls + 1
     return kernel(queries, cache.pool.planes, cache.block_table(), [cache.offset],
                   cache.spec.layout, scale=scale, mask=mask, sinks=sinks,
                   impl=cache.attention_impl, fresh=cache.fresh_tokens(queries.shape[2]))

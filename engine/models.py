@@ -147,7 +147,7 @@ def _check(model: nn.Module) -> PagedAttentionCheck:
     tokens = [(7 * i + 3) % geometry.vocab_size for i in range(CHECK_PROMPT_TOKENS)]
     steps = [tokens] + [[(11 * i + 5) % geometry.vocab_size] for i in range(CHECK_DECODE_STEPS)]
     try:
-        with installed(model), checking():
+        with installed(model), checking() as router_calls:
             for step in steps:
                 inputs = mx.array([step], dtype=mx.int32)
                 want, got = model(inputs, cache=stock), model(inputs, cache=paged)
@@ -155,6 +155,9 @@ def _check(model: nn.Module) -> PagedAttentionCheck:
                 if not mx.array_equal(want, got).item():
                     return PagedAttentionCheck(False, "paged attention through the router "
                                                       "differs from mlx-lm's caches")
+            if router_calls() == 0:  # its attention does not go through the global
+                return PagedAttentionCheck(False, "the model never calls "
+                                                  "scaled_dot_product_attention with its cache")
     except Exception as exc:  # whatever the model did with NOT_FETCHED
         return PagedAttentionCheck(False, f"the router fails: {type(exc).__name__}: {exc}"[:200])
     return PagedAttentionCheck(True)

@@ -1,5 +1,6 @@
-"""engine.make_cache per model class: paged full layers, mlx-lm's RotatingKVCache for
-sliding layers, and generation that matches mlx-lm's own caches."""
+"""engine.make_cache per model: paged full layers, mlx-lm's caches for the rest, the
+probed geometry (no per-type rules), the load-time router check, and generation that
+matches mlx-lm's own caches."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 import engine
 from engine import KVPolicy, PagedKVCache, make_cache, make_pools, model_identity
 from engine.errors import UnsupportedModel
-from engine.geometry import layer_geometry
+from engine.attention import GATHERED
+from engine.geometry import layer_geometry, model_fingerprint, probe_geometry
+from engine.models import check_paged_attention
 from tests.engine.factories import model_config, prompt_tokens, tiny_model
+from tests.engine.test_model_sweep import build
 
 POLICY = KVPolicy(block_size_tokens=16)
 
@@ -30,7 +34,7 @@ def test_make_cache_mirrors_mlx_lm(model_type, overrides):
     stock = make_prompt_cache(model)
     caches = make_cache(model, POLICY)
     assert len(caches) == len(stock)
-    layers = zip(caches, stock, layer_geometry(model.args), model.layers, strict=True)
+    layers = zip(caches, stock, layer_geometry(model), model.layers, strict=True)
     for ours, theirs, geometry, layer in layers:
         if geometry.kind == "full":
             assert isinstance(ours, PagedKVCache)
@@ -81,8 +85,75 @@ def test_pools_are_shared_between_requests():
     assert pools[0].num_free_blocks == 0
 
 
-def test_unknown_model_types_are_refused():
-    with pytest.raises(UnsupportedModel):
-        layer_geometry({**model_config("llama"), "model_type": "mamba"})
-    with pytest.raises(UnsupportedModel):
+def test_configs_that_build_no_model_are_refused():
+    with pytest.raises(UnsupportedModel, match="not a mamba config"):
+        layer_geometry({**model_config("llama"), "model_type": "mamba"})  # no state_size, ...
+    with pytest.raises(UnsupportedModel, match="no model_type"):
         layer_geometry({"hidden_size": 8})
+    with pytest.raises(UnsupportedModel, match="not supported"):
+        layer_geometry({**model_config("llama"), "model_type": "no_such_model"})
+
+
+def test_unknown_cache_classes_are_refused_by_name():
+    model = build("deepseek_v41")  # its make_cache builds deepseek_v41.LayerCache
+    with pytest.raises(UnsupportedModel, match=r"deepseek_v41\.LayerCache"):
+        probe_geometry(model)
+
+
+def test_geometry_is_probed_without_model_args():
+    model = build("baichuan_m1")  # carries .config, no .args (the old rules crashed)
+    assert not hasattr(model, "args")
+    geometry = probe_geometry(model)
+    assert [g.cache_class for g in geometry.layers] == ["CacheList", "CacheList"]
+    assert geometry.config["model_type"] == "baichuan_m1"
+    assert probe_geometry(model) is geometry  # once per model object
+    assert len(model_fingerprint(model)) == 64
+
+
+def test_probe_reads_heads_dims_and_kinds_from_the_forward():
+    geometry = probe_geometry(build("phi3"))  # hidden 64 / 4 heads: head dim 16, 2 KV heads
+    assert [(g.kind, g.kv_heads, g.k_head_dim, g.v_head_dim) for g in geometry.layers] == [
+        ("full", 2, 16, 16)] * 2
+    # MLA caches the latent: 1 head, Dk = kv_lora_rank (16), Dv = the rope dim (8)
+    mla = probe_geometry(build("deepseek_v3")).layers[0]
+    assert (mla.kind, mla.kv_heads, mla.k_head_dim, mla.v_head_dim) == ("full", 1, 16, 8)
+    kinds = [(g.kind, g.cache_class) for g in probe_geometry(build("qwen3_next")).layers]
+    assert kinds == [("state", "ArraysCache"), ("full", "KVCache")]
+    assert probe_geometry(build("gemma3n")).layers.__len__() == 2  # 4 layers share 2 caches
+
+
+def test_fingerprint_covers_the_probed_geometry():
+    base = model_config("llama", num_hidden_layers=2, sliding_window=8)
+    full = {**base, "layer_types": ["full_attention", "full_attention"]}
+    mixed = {**base, "layer_types": ["sliding_attention", "full_attention"]}
+    assert model_fingerprint(full) != model_fingerprint(mixed)
+    assert model_fingerprint(tiny_model("llama")) == model_fingerprint(model_config("llama"))
+
+
+def test_native_pages_follow_the_probed_kv_dtype():
+    ident = model_identity(tiny_model("qwen3", mx.bfloat16), POLICY, model_id="m")
+    assert {layer.page_format for layer in ident.layers} == {"native-bf16"}
+    ident = model_identity(tiny_model("qwen3", mx.float32), POLICY, model_id="m")
+    assert {layer.page_format for layer in ident.layers} == {"native-f32"}
+
+
+def test_models_failing_the_router_check_attend_over_gathered_history(paged_calls):
+    model = build("deepseek_v3")  # MLA computes on the fetched latent: the router is unsafe
+    check = check_paged_attention(model)
+    assert not check.routed and "NotFetched" in check.reason
+    caches = make_cache(model, POLICY)
+    assert {c.attention_impl for c in caches} == {GATHERED}
+    prompt = prompt_tokens(20)
+    with engine.installed(model):
+        got = list(generate_step(prompt, model, prompt_cache=caches, max_tokens=6))
+    want = list(generate_step(prompt, model, prompt_cache=make_prompt_cache(model), max_tokens=6))
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want, strict=True):
+        assert mx.array_equal(a, b).item()
+    assert paged_calls == []  # the check's own calls bypass the spy; serving made none
+
+
+def test_router_check_needs_the_router_to_be_called():
+    plamo2 = check_paged_attention(build("plamo2"))  # calls mx.fast directly
+    assert not plamo2.routed and "never calls" in plamo2.reason
+    assert check_paged_attention(tiny_model("llama")).routed
