@@ -20,14 +20,15 @@ from dataclasses import asdict, dataclass, field
 
 from kvstore.errors import InvalidInput
 from kvstore.ids import ROOT_KEY
+from kvstore.index import COUNTERS, U64
 from kvstore.pages import (
     PageHeader,
     decode_stored,
+    hash_page,
     trusted_header,
     verify_stored,
 )
 from kvstore.records import BlockRecord, Checkpoint
-from kvstore.store import COUNTERS, U64, Store, _get_u64, hash_page, page_sizes
 
 PROBLEM_KINDS = {
     "page_damaged": "a page's stored bytes fail their header, length, xxh3 or blake3 check",
@@ -77,61 +78,57 @@ class CheckReport:
         return out
 
 
-def check_store(store: Store, read_data: bool = False, subset: tuple[int, int] | None = None,
+def check_store(store, read_data: bool = False, subset: tuple[int, int] | None = None,
                 progress=None) -> CheckReport:
+    """store: a kvstore.store.Store (anything with list_formats and index)."""
     if subset is not None:
         i, n = subset
         if not (isinstance(i, int) and isinstance(n, int) and 0 <= i < n):
             raise InvalidInput("subset must be (i, n) with 0 <= i < n")
     report = CheckReport()
-    dbs = store.lmdb.dbs
     formats = {f.format_id: f for f in store.list_formats()}
-    with store.lmdb.read(buffers=True) as txn:
+    with store.index.read(buffers=True) as index:
         # 1. pages
         page_raw: dict[bytes, int] = {}
         raw_total = stored_total = 0
-        with txn.cursor(db=dbs["pages"]) as cur:
-            for key, value in cur:
-                digest = bytes(key)
-                report.pages_checked += 1
-                # counted as written even when damaged: counters stay comparable
-                raw_nbytes, stored_nbytes = page_sizes(txn, dbs, digest, value)
-                page_raw[digest] = raw_nbytes
-                raw_total += raw_nbytes
-                stored_total += stored_nbytes
-                if trusted_header(value) is None:
-                    report.add("page_damaged", digest.hex(), _header_damage(value))
-                elif read_data and (subset is None or digest[0] % subset[1] == subset[0]):
-                    _verify_page(report, digest, value)
-                if progress:
-                    progress(1, len(value))
-        quarantined = {bytes(k) for k in txn.cursor(db=dbs["quarantine"]).iternext(values=False)}
+        for digest, value in index.pages():
+            report.pages_checked += 1
+            # counted as written even when damaged: counters stay comparable
+            raw_nbytes, stored_nbytes = index.page_sizes(digest, value)
+            page_raw[digest] = raw_nbytes
+            raw_total += raw_nbytes
+            stored_total += stored_nbytes
+            if trusted_header(value) is None:
+                report.add("page_damaged", digest.hex(), _header_damage(value))
+            elif read_data and (subset is None or digest[0] % subset[1] == subset[0]):
+                _verify_page(report, digest, value)
+            if progress:
+                progress(1, len(value))
+        quarantined = index.quarantined()
 
         # 2. blocks
         refs: Counter = Counter()
         children_expected: set[bytes] = set()
         lru_expected: set[bytes] = set()
         blocks: dict[bytes, BlockRecord] = {}
-        with txn.cursor(db=dbs["blocks"]) as cur:
-            for key, value in cur:
-                key = bytes(key)
-                report.blocks_checked += 1
-                try:
-                    record = BlockRecord.decode(value)
-                except (ValueError, InvalidInput) as exc:
-                    report.add("block_bad", key.hex(), f"does not decode: {exc}")
-                    continue
-                if record.key != key:
-                    report.add("block_bad", key.hex(), f"record hashes to chain key {record.key.hex()}")
-                    continue
-                if record.format_id not in formats:
-                    report.add("block_bad", key.hex(), f"unknown format {record.format_id.hex()}")
-                blocks[key] = record
-                lru_expected.add(U64.pack(record.last_used_ns) + key)
-                if not record.is_root:
-                    children_expected.add(record.parent + key)
-                for d in record.pages:
-                    refs[bytes(d)] += 1
+        for key, value in index.block_records():
+            report.blocks_checked += 1
+            try:
+                record = BlockRecord.decode(value)
+            except (ValueError, InvalidInput) as exc:
+                report.add("block_bad", key.hex(), f"does not decode: {exc}")
+                continue
+            if record.key != key:
+                report.add("block_bad", key.hex(), f"record hashes to chain key {record.key.hex()}")
+                continue
+            if record.format_id not in formats:
+                report.add("block_bad", key.hex(), f"unknown format {record.format_id.hex()}")
+            blocks[key] = record
+            lru_expected.add(U64.pack(record.last_used_ns) + key)
+            if not record.is_root:
+                children_expected.add(record.parent + key)
+            for d in record.pages:
+                refs[bytes(d)] += 1
         for key, record in blocks.items():
             if not record.is_root:
                 parent = blocks.get(record.parent)
@@ -147,44 +144,43 @@ def check_store(store: Store, read_data: bool = False, subset: tuple[int, int] |
 
         # 3. checkpoints
         pins: Counter = Counter()
-        with txn.cursor(db=dbs["checkpoints"]) as cur:
-            for key, value in cur:
-                report.checkpoints_checked += 1
-                label = bytes(key).replace(b"\x00", b"/").decode(errors="replace")
-                try:
-                    ckpt = Checkpoint.decode(value)
-                except (ValueError, InvalidInput) as exc:
-                    report.add("checkpoint_bad", label, f"does not decode: {exc}")
-                    continue
-                parent = ROOT_KEY
-                for k in ckpt.chain_keys:
-                    pins[bytes(k)] += 1
-                    record = blocks.get(bytes(k))
-                    if record is None:
-                        report.add("checkpoint_bad", label, f"names absent block {k.hex()}")
-                    elif record.parent != parent:
-                        report.add("checkpoint_bad", label, f"block {k.short} breaks the chain")
-                    parent = bytes(k)
-                for d in ckpt.attachments.values():
-                    refs[bytes(d)] += 1
+        for key, value in index.checkpoint_records():
+            report.checkpoints_checked += 1
+            label = key.replace(b"\x00", b"/").decode(errors="replace")
+            try:
+                ckpt = Checkpoint.decode(value)
+            except (ValueError, InvalidInput) as exc:
+                report.add("checkpoint_bad", label, f"does not decode: {exc}")
+                continue
+            parent = ROOT_KEY
+            for k in ckpt.chain_keys:
+                pins[bytes(k)] += 1
+                record = blocks.get(bytes(k))
+                if record is None:
+                    report.add("checkpoint_bad", label, f"names absent block {k.hex()}")
+                elif record.parent != parent:
+                    report.add("checkpoint_bad", label, f"block {k.short} breaks the chain")
+                parent = bytes(k)
+            for d in ckpt.attachments.values():
+                refs[bytes(d)] += 1
 
         # 4. references and indexes against the recount
         for d, count in refs.items():
             if d not in page_raw:
                 kind = "page_quarantined" if d in quarantined else "page_missing"
                 report.add(kind, d.hex(), f"named by {count} record(s)")
-        stored_refs = {bytes(k): U64.unpack(v)[0] for k, v in txn.cursor(db=dbs["refs"])}
+        stored_refs = index.reference_counts()
         for d in set(stored_refs) | set(refs):
             if stored_refs.get(d, 0) != refs.get(d, 0):
                 report.add("refcount_wrong", d.hex(), f"stored {stored_refs.get(d, 0)}, recounted {refs.get(d, 0)}")
-        stored_pins = {bytes(k): U64.unpack(v)[0] for k, v in txn.cursor(db=dbs["pins"])}
+        stored_pins = index.pin_counts()
         for k in set(stored_pins) | set(pins):
             if stored_pins.get(k, 0) != pins.get(k, 0):
                 report.add("pin_wrong", k.hex(), f"stored {stored_pins.get(k, 0)}, recounted {pins.get(k, 0)}")
-        children = {bytes(k) for k in txn.cursor(db=dbs["children"]).iternext(values=False)}
+        children = index.children_entries()
         for entry in children ^ children_expected:
             report.add("index_wrong", entry[32:].hex(), "children index disagrees with block records")
-        lru = {bytes(k) for k in txn.cursor(db=dbs["lru"]).iternext(values=False)}
+        lru = index.lru_entries()
         for entry in lru ^ lru_expected:
             report.add("index_wrong", entry[8:].hex(), "lru index disagrees with block records")
 
@@ -193,7 +189,7 @@ def check_store(store: Store, read_data: bool = False, subset: tuple[int, int] |
                       "referenced_raw_nbytes": referenced_raw}
         for name in COUNTERS:
             if name in recomputed:
-                stored = _get_u64(txn, dbs["meta"], name.encode())
+                stored = index.counter(name)
                 if stored != recomputed[name]:
                     report.add("counter_wrong", name, f"stored {stored}, recomputed {recomputed[name]}")
     return report

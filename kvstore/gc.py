@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 from kvstore import faults, fileio
 from kvstore.errors import GCAborted, InvalidInput
+from kvstore.index import StoreIndex
 from kvstore.pages import accounted_nbytes
-from kvstore.store import Store, _delete_page, _get_u64
 
 BATCH = 256
 HISTORY_KEY = b"gc_history"
@@ -49,7 +49,7 @@ class GCCandidate:
 
 @dataclass
 class GCPlan:
-    store: Store
+    store: object  # a kvstore.store.Store: its path and index
     grace_s: float
     planned_at: float
     planned_at_ns: int
@@ -95,24 +95,23 @@ class GCPlan:
             )
 
     def _execute_locked(self, progress) -> dict:
-        lmdb = self.store.lmdb
         cutoff_ns = self.planned_at_ns - int(self.grace_s * 1e9)
         deleted = {"pages": 0, "freed_nbytes": 0, "skipped": 0, "quarantined": 0, "stale_times": 0}
         for start in range(0, len(self.pages), BATCH):
             self._check_fresh()
             batch = self.pages[start : start + BATCH]
 
-            def sweep(txn, dbs, batch=batch):
+            def sweep(index: StoreIndex, batch=batch):
                 pages = freed = skipped = 0
                 for c in batch:
-                    stamp = _get_u64(txn, dbs["page_times"], c.digest)
-                    if txn.get(c.digest, db=dbs["refs"]) is not None or stamp > cutoff_ns:
+                    if index.refs(c.digest) or index.page_time(c.digest) > cutoff_ns:
                         skipped += 1
                         continue
-                    n = _delete_page(txn, dbs, c.digest)
+                    n = index.delete_page(c.digest)
                     pages, freed = pages + (1 if n else 0), freed + n
                 return pages, freed, skipped
-            pages, freed, skipped = lmdb.write(sweep, what="GC delete", buffers=True, freeing=True)
+            pages, freed, skipped = self.store.index.write(sweep, what="GC delete", buffers=True,
+                                                           freeing=True)
             faults.crash_point("gc_deleted")
             deleted["pages"] += pages
             deleted["freed_nbytes"] += freed
@@ -121,57 +120,49 @@ class GCPlan:
                 progress(len(batch), sum(c.stored_nbytes for c in batch))
         self._check_fresh()
 
-        def orphans(txn, dbs):
-            q = s = 0
-            for d in self.quarantined:
-                q += 1 if txn.delete(d, db=dbs["quarantine"]) else 0
-            for d in self.stale_times:
-                if txn.get(d, db=dbs["pages"]) is None:
-                    s += 1 if txn.delete(d, db=dbs["page_times"]) else 0
-            _append_history(txn, dbs, {**deleted, "quarantined": q, "stale_times": s,
-                                       "at_ns": time.time_ns(), "grace_s": self.grace_s})
+        def orphans(index: StoreIndex):
+            q = sum(1 for d in self.quarantined if index.forget_quarantined(d))
+            s = sum(1 for d in self.stale_times if index.forget_page_time(d))
+            _append_history(index, {**deleted, "quarantined": q, "stale_times": s,
+                                    "at_ns": time.time_ns(), "grace_s": self.grace_s})
             return q, s
-        deleted["quarantined"], deleted["stale_times"] = lmdb.write(orphans, what="GC orphans", freeing=True)
+        deleted["quarantined"], deleted["stale_times"] = self.store.index.write(
+            orphans, what="GC orphans", freeing=True)
         return deleted
 
 
-def plan_gc(store: Store, grace_s: float = 3600.0) -> GCPlan:
+def plan_gc(store, grace_s: float = 3600.0) -> GCPlan:
     if grace_s < 0:
         raise InvalidInput("grace period must be >= 0 seconds")
     planned_ns = time.time_ns()
     plan = GCPlan(store, float(grace_s), time.monotonic(), planned_ns)
     cutoff_ns = planned_ns - int(grace_s * 1e9)
-    dbs = store.lmdb.dbs
-    with store.lmdb.read(buffers=True) as txn:
-        with txn.cursor(db=dbs["pages"]) as cur:
-            for key, value in cur:
-                if txn.get(key, db=dbs["refs"]) is not None:
-                    continue
-                stamp = _get_u64(txn, dbs["page_times"], key)
-                if stamp > cutoff_ns:
-                    continue
-                stored = accounted_nbytes(value)[1]
-                plan.pages.append(GCCandidate(bytes(key), stored, (planned_ns - stamp) / 1e9))
-        with txn.cursor(db=dbs["quarantine"]) as cur:
-            plan.quarantined = [bytes(k) for k in cur.iternext(values=False)]
-        with txn.cursor(db=dbs["page_times"]) as cur:
-            plan.stale_times = [bytes(k) for k in cur.iternext(values=False)
-                                if txn.get(k, db=dbs["pages"]) is None]
+    with store.index.read(buffers=True) as index:
+        for digest, value in index.pages():
+            if index.refs(digest):
+                continue
+            stamp = index.page_time(digest)
+            if stamp > cutoff_ns:
+                continue
+            stored = accounted_nbytes(value)[1]
+            plan.pages.append(GCCandidate(digest, stored, (planned_ns - stamp) / 1e9))
+        plan.quarantined = sorted(index.quarantined())
+        plan.stale_times = [d for d in index.page_time_digests() if not index.has_page(d)]
     faults.crash_point("gc_listed")
     return plan
 
 
-def gc_history(store: Store) -> list[dict]:
-    with store.lmdb.read() as txn:
-        raw = txn.get(HISTORY_KEY, db=store.lmdb.dbs["meta"])
+def gc_history(store) -> list[dict]:
+    with store.index.read() as index:
+        raw = index.meta(HISTORY_KEY)
     return json.loads(raw) if raw else []
 
 
-def _append_history(txn, dbs, entry: dict) -> None:
-    raw = txn.get(HISTORY_KEY, db=dbs["meta"])
+def _append_history(index: StoreIndex, entry: dict) -> None:
+    raw = index.meta(HISTORY_KEY)
     history = json.loads(raw) if raw else []
     history = (history + [entry])[-HISTORY_LENGTH:]
-    txn.put(HISTORY_KEY, json.dumps(history).encode(), db=dbs["meta"])
+    index.put_meta(HISTORY_KEY, json.dumps(history).encode())
 
 
 __all__ = ["GCPlan", "GCCandidate", "plan_gc", "gc_history"]

@@ -31,11 +31,14 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Iterable, Mapping
 
+import blake3
 import xxhash
 import zstandard
 
-from kvstore.errors import InvalidInput
+from kvstore.errors import DigestMismatch, InvalidInput
+from kvstore.ids import PageDigest
 
 MAGIC = b"KVP1"
 HEADER = struct.Struct(">4sB3sQQ16s8s")
@@ -46,6 +49,27 @@ CODEC_ZSTD = 1
 CODEC_NAMES = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd"}
 SAMPLE_NBYTES = 64 * 1024
 MAX_PAGE_NBYTES = 256 * 1024 * 1024
+BLAKE3_THREADS_FROM = 1 << 20  # pages this large are hashed on several threads
+
+
+def hash_page(data) -> PageDigest:
+    """A page's name: blake3 of its raw bytes; multithreaded for large pages."""
+    threads = blake3.blake3.AUTO if len(data) >= BLAKE3_THREADS_FROM else 1
+    return PageDigest(blake3.blake3(data, max_threads=threads).digest())
+
+
+def verified_pages(pages: Mapping | Iterable[tuple]) -> list[tuple[PageDigest, object]]:
+    """(digest, bytes) pairs from {digest: bytes} or pairs, every digest recomputed.
+    One mismatch raises DigestMismatch before the caller writes or sends anything."""
+    items = list(pages.items()) if isinstance(pages, Mapping) else list(pages)
+    checked = []
+    for claimed, data in items:
+        digest = PageDigest.coerce(claimed)
+        actual = hash_page(data)
+        if actual != digest:
+            raise DigestMismatch(digest.hex(), actual.hex())
+        checked.append((digest, data))
+    return checked
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ narrowest view it uses, as restic's Loader and Saver views of its Repository do:
   PageWriter     what a publish needs: formats, missing(), put_pages, commit_blocks,
                  has_blocks, checkpoints.
   StoreAdmin     capacity and maintenance: stats, evict, check, plan_gc.
+  IndexedStore   a local store's index, one transaction at a time (Store and
+                 TieredStore; not RemoteStore): what GC, check and the tools read.
 
 Capabilities are attributes of the protocol, never guessed from the method set
 (`hasattr(store, "get_pages")` is true of every implementation, so it says nothing):
@@ -124,10 +126,20 @@ class StoreAdmin(Protocol):
 
 
 @runtime_checkable
+class IndexedStore(Protocol):
+    """A local store whose index (kvstore/index.py) is handed out one transaction at
+    a time, through `index` (an IndexAccess): Store and TieredStore, not RemoteStore.
+    kvstore.gc, kvstore.check and tools/inventory.py take it."""
+
+    @property
+    def index(self): ...
+
+
+@runtime_checkable
 class StoreProtocol(PageReader, PageWriter, StoreAdmin, Protocol):
     """Everything: what Store, RemoteStore and TieredStore all implement."""
 
 
 VIEWS = (PageReader, PageWriter, StoreAdmin)
 
-__all__ = ["PageReader", "PageWriter", "StoreAdmin", "StoreProtocol", "VIEWS"]
+__all__ = ["PageReader", "PageWriter", "StoreAdmin", "StoreProtocol", "IndexedStore", "VIEWS"]

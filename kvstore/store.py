@@ -1,7 +1,7 @@
 """Store: the embedded, durable, content-addressed page store over one LMDB directory.
 
-Its public method set is the store protocol; kvstore.client.RemoteStore implements
-the same one over HTTP, so callers (the engine, the CLI) take either.
+It implements the store protocol (kvstore/protocol.py), as kvstore.client.RemoteStore
+(HTTP) and kvstore.tier.TieredStore (S3) do, so callers (the engine, the CLI) take any.
 
 A save goes pages first, then records:
   missing(digests)        which pages the store lacks (and marks present ones as in use)
@@ -12,29 +12,25 @@ A restore goes lookup_prefix -> get_pages / read_pages_into. Every page read is 
 against the xxh3-128 in its header; a damaged page is quarantined and IntegrityError
 names it. check(read_data=True) re-hashes every page with blake3.
 
-Reference counts (refs: page -> number of block records and checkpoint attachments
-naming it; pins: block -> number of checkpoints naming it; children: parent -> child)
-are updated in the same write transaction as the records that change them.
+The bookkeeping (counters, references, pins, children, LRU order, eviction) is the
+StoreIndex of kvstore/index.py, changed in the same write transaction as the records
+that change it; `Store.index` hands it out one transaction at a time.
 """
 
 from __future__ import annotations
 
-import heapq
+import dataclasses
 import os
-import struct
 import threading
-import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Sequence
 
-import blake3
-
 from kvstore import faults
+from kvstore.check import CheckReport, check_store
 from kvstore.errors import (
     AlreadyExists,
-    DigestMismatch,
     IntegrityError,
     InvalidInput,
     MissingReferences,
@@ -44,7 +40,18 @@ from kvstore.errors import (
     UnsupportedVersion,
 )
 from kvstore.format import FormatIdentity
-from kvstore.ids import ROOT_KEY, ChainKey, PageDigest, chain_key, check_namespace
+from kvstore.gc import GCPlan, plan_gc
+from kvstore.ids import ChainKey, PageDigest, check_namespace
+from kvstore.index import (
+    COUNTERS,
+    U64,
+    EvictionReport,
+    IndexAccess,
+    PendingTouches,
+    StoreIndex,
+    check_block_shape,
+    now_ns,
+)
 from kvstore.lmdbenv import (
     DEFAULT_MAP_NBYTES,
     DEFAULT_MAX_MAP_NBYTES,
@@ -55,47 +62,22 @@ from kvstore.lmdbenv import (
 from kvstore.pages import (
     HEADER_NBYTES,
     Compression,
-    PageHeader,
     accounted_nbytes,
     decode_stored,
     encode_page,
+    hash_page,
+    verified_pages,
     verify_stored,
 )
 from kvstore.records import BlockRecord, Checkpoint, checkpoint_key
 
 STORE_SCHEMA_VERSION = 1
-U64 = struct.Struct(">Q")
-SIZES = struct.Struct(">QQ")
 PUT_BATCH_NBYTES = 64 << 20  # LMDB caps dirty pages per transaction; batch page writes
 TOUCH_FLUSH_S = 10.0
 EVICT_BATCH_BLOCKS = 1024  # blocks per eviction transaction at most (see Store.evict)
-_BLAKE3_THREADS_FROM = 1 << 20
-COUNTERS = ("raw_nbytes", "stored_nbytes", "referenced_raw_nbytes",
-            "evicted_blocks", "evicted_nbytes")
-
-
-def now_ns() -> int:
-    return time.time_ns()
-
-
-def hash_page(data) -> PageDigest:
-    """blake3 of a page; multithreaded for large pages."""
-    threads = blake3.blake3.AUTO if len(data) >= _BLAKE3_THREADS_FROM else 1
-    return PageDigest(blake3.blake3(data, max_threads=threads).digest())
-
-
-def verified_pages(pages: Mapping | Iterable[tuple]) -> list[tuple[PageDigest, object]]:
-    """(digest, bytes) pairs from {digest: bytes} or pairs, every digest recomputed.
-    One mismatch raises DigestMismatch before the caller writes or sends anything."""
-    items = list(pages.items()) if isinstance(pages, Mapping) else list(pages)
-    checked = []
-    for claimed, data in items:
-        digest = PageDigest.coerce(claimed)
-        actual = hash_page(data)
-        if actual != digest:
-            raise DigestMismatch(digest.hex(), actual.hex())
-        checked.append((digest, data))
-    return checked
+__all__ = ["Store", "StoreConfig", "StoreStats", "PutResult", "CommitResult", "PrefixMatch",
+           "EvictionReport", "hash_page", "verified_pages", "format_id_bytes", "now_ns",
+           "COUNTERS", "STORE_SCHEMA_VERSION"]  # some defined in kvstore/pages.py, index.py
 
 
 @dataclass(frozen=True)
@@ -131,13 +113,6 @@ class PrefixMatch:
     @property
     def chain_keys(self) -> list[ChainKey]:
         return [b.key for b in self.blocks]
-
-
-@dataclass(frozen=True)
-class EvictionReport:
-    blocks: int
-    pages: int
-    freed_nbytes: int
 
 
 @dataclass(frozen=True)
@@ -179,31 +154,6 @@ class StoreStats:
         return out
 
 
-# -- small transaction helpers (txn, dbs) ----------------------------------------------
-def _get_u64(txn, db, key: bytes) -> int:
-    raw = txn.get(key, db=db)
-    return U64.unpack(raw)[0] if raw is not None else 0
-
-
-def _add_u64(txn, db, key: bytes, delta: int) -> int:
-    value = _get_u64(txn, db, key) + delta
-    assert value >= 0, f"counter {key!r} would go negative ({value}); the index is inconsistent"
-    if value == 0:
-        txn.delete(key, db=db)
-    else:
-        txn.put(key, U64.pack(value), db=db)
-    return value
-
-
-def _counter(txn, dbs, name: str, delta: int) -> None:
-    _add_u64(txn, dbs["meta"], name.encode(), delta)
-
-
-def _has_children(txn, dbs, key: bytes) -> bool:
-    with txn.cursor(db=dbs["children"]) as cur:
-        return cur.set_range(key) and bytes(cur.key()[:32]) == key
-
-
 class Store:
     """The embedded store (see the module docstring). Thread-safe; one per process
     per directory is enough. Open with Store(path) or Store.open(path)."""
@@ -216,11 +166,12 @@ class Store:
                              readonly=readonly, reserve_nbytes=self.config.reserve_nbytes,
                              init=_init_meta)
         self._formats: dict[bytes, FormatIdentity] = {}
-        self._touch_lock = threading.Lock()
-        self._pending_touches: dict[bytes, int] = {}
-        self._touches_since = 0.0
+        self._touches = PendingTouches()
+        self._lookup_lock = threading.Lock()
         # lookups, hits, tokens asked, tokens matched, lookups stopped at a damaged block
         self._lookups = [0, 0, 0, 0, 0]
+        # the index, one transaction at a time (kvstore/index.py)
+        self.index = IndexAccess(self._lmdb, _clock)
         self._check_schema()
 
     @property
@@ -244,8 +195,9 @@ class Store:
         self.close()
 
     def _check_schema(self):
-        with self._lmdb.read() as txn:
-            version = _get_u64(txn, self._lmdb.dbs["meta"], META_RECORD)
+        with self.index.read() as index:
+            raw = index.meta(META_RECORD)
+        version = U64.unpack(raw)[0] if raw is not None else 0
         if version > STORE_SCHEMA_VERSION:
             raise UnsupportedVersion(
                 f"store at {self.path} has schema version {version}; this code reads up to "
@@ -256,17 +208,14 @@ class Store:
     def put_format(self, identity: FormatIdentity) -> bytes:
         """Idempotent. Returns the 32-byte format id."""
         fid, raw = identity.format_id, identity.canonical()
-
-        def put(txn, dbs):
-            if txn.get(fid, db=dbs["formats"]) is None:
-                txn.put(fid, raw, db=dbs["formats"])
         if self._cached_format(fid) is None:
-            self._lmdb.write(put, what="storing a format identity")
+            self.index.write(lambda index: index.put_format_record(fid, raw),
+                             what="storing a format identity")
         self._formats[fid] = identity
         return fid
 
     def get_format(self, format_id) -> FormatIdentity:
-        fid = _format_id_bytes(format_id)
+        fid = format_id_bytes(format_id)
         identity = self._cached_format(fid)
         if identity is None:
             raise NotFound(f"format {fid.hex()} is not stored; put_format() it first")
@@ -275,8 +224,8 @@ class Store:
     def _cached_format(self, fid: bytes) -> FormatIdentity | None:
         identity = self._formats.get(fid)
         if identity is None:
-            with self._lmdb.read() as txn:
-                raw = txn.get(fid, db=self._lmdb.dbs["formats"])
+            with self.index.read() as index:
+                raw = index.format_record(fid)
             if raw is None:
                 return None
             identity = FormatIdentity.from_json(raw)
@@ -285,9 +234,9 @@ class Store:
         return identity
 
     def list_formats(self) -> list[FormatIdentity]:
-        with self._lmdb.read() as txn:
-            raws = list(txn.cursor(db=self._lmdb.dbs["formats"]).iternext(values=True))
-        return [FormatIdentity.from_json(v) for _, v in raws]
+        with self.index.read() as index:
+            raws = [value for _, value in index.format_records()]
+        return [FormatIdentity.from_json(v) for v in raws]
 
     # -- pages -----------------------------------------------------------------------
     def missing(self, digests: Iterable) -> list[PageDigest]:
@@ -296,21 +245,19 @@ class Store:
         the caller commits."""
         wanted = [PageDigest.coerce(d) for d in digests]
         absent, unreferenced = [], []
-        dbs = self._lmdb.dbs
-        with self._lmdb.read(buffers=True) as txn:  # presence only: never copy a page
+        with self.index.read(buffers=True) as index:  # presence only: never copy a page
             for d in wanted:
-                if txn.get(d, db=dbs["pages"]) is None:
+                if not index.has_page(d):
                     absent.append(d)
-                elif txn.get(d, db=dbs["refs"]) is None:
+                elif index.refs(d) == 0:
                     unreferenced.append(d)
         if unreferenced:
-            stamp = U64.pack(now_ns())
+            stamp = now_ns()
 
-            def refresh(txn, dbs):
+            def refresh(index: StoreIndex):
                 for d in unreferenced:
-                    if txn.get(d, db=dbs["pages"]) is not None:
-                        txn.put(d, stamp, db=dbs["page_times"])
-            self._lmdb.write(refresh, what="refreshing page grace times", buffers=True)
+                    index.refresh_page_time(d, stamp)
+            self.index.write(refresh, what="refreshing page grace times", buffers=True)
         return absent
 
     def put_pages(self, pages: Mapping | Iterable[tuple]) -> PutResult:
@@ -322,7 +269,7 @@ class Store:
         for batch in _batches(checked, PUT_BATCH_NBYTES):
             encoded = [(d, *encode_page(data, self.config.compression, d)) for d, data in batch]
             need = sum(HEADER_NBYTES + len(stored) for _, _, stored in encoded)
-            n, e, s = self._lmdb.write(lambda txn, dbs: _write_pages(txn, dbs, encoded),
+            n, e, s = self.index.write(lambda index: index.write_pages(encoded),
                                        what="storing pages", buffers=True, need_nbytes=need)
             faults.crash_point("pages_synced")
             new, existing, stored_total = new + n, existing + e, stored_total + s
@@ -335,12 +282,12 @@ class Store:
         Every page is verified before anything is yielded."""
         wanted = [PageDigest.coerce(d) for d in digests]
         damaged: list[tuple[PageDigest, str]] = []
-        with self._lmdb.read(buffers=True) as txn:
+        with self.index.read(buffers=True) as index:
             views = []
             for d in wanted:
-                value = txn.get(d, db=self._lmdb.dbs["pages"])
+                value = index.page(d)
                 if value is None:
-                    self._raise_absent(txn, d)
+                    _raise_absent(index, d)
                 try:
                     header, body = verify_stored(value, d)
                     views.append(decode_stored(header, body))
@@ -349,7 +296,9 @@ class Store:
             if not damaged:
                 yield views
                 return
-        self._quarantine(damaged)
+        if not self._lmdb.readonly:
+            self.index.write(lambda index: [index.quarantine_page(d) for d, _ in damaged],
+                             what="quarantining damaged pages", freeing=True)
         raise IntegrityError(damaged[0][0].hex(), damaged[0][1])
 
     def read_pages(self, digests: Sequence) -> list[bytes]:
@@ -376,31 +325,13 @@ class Store:
     def page_nbytes(self, digests: Sequence) -> list[int]:
         """Raw (uncompressed) length of each page; NotFound when absent."""
         out = []
-        with self._lmdb.read(buffers=True) as txn:
+        with self.index.read(buffers=True) as index:
             for d in (PageDigest.coerce(x) for x in digests):
-                value = txn.get(d, db=self._lmdb.dbs["pages"])
+                value = index.page(d)
                 if value is None:
-                    self._raise_absent(txn, d)
+                    _raise_absent(index, d)
                 out.append(accounted_nbytes(value)[0])
         return out
-
-    def _raise_absent(self, txn, d: PageDigest):
-        if txn.get(d, db=self._lmdb.dbs["quarantine"]) is not None:
-            raise IntegrityError(d.hex(), "quarantined earlier")
-        raise NotFound(f"page {d.hex()} is not stored")
-
-    def _quarantine(self, damaged: list[tuple[PageDigest, str]]) -> None:
-        def move(txn, dbs):
-            for d, _ in damaged:
-                value = txn.get(d, db=dbs["pages"])
-                if value is None:
-                    continue
-                txn.put(d, value, db=dbs["quarantine"])
-                refs = _get_u64(txn, dbs["refs"], d)
-                _counter(txn, dbs, "referenced_raw_nbytes", -refs * page_sizes(txn, dbs, d, value)[0])
-                _delete_page(txn, dbs, d)
-        if not self._lmdb.readonly:
-            self._lmdb.write(move, what="quarantining damaged pages", freeing=True)
 
     # -- blocks ------------------------------------------------------------------------
     def commit_blocks(self, blocks: Sequence[BlockRecord]) -> CommitResult:
@@ -413,77 +344,27 @@ class Store:
                 raise InvalidInput("commit_blocks takes BlockRecord objects")
         formats = {b.format_id: self._require_format(b.format_id) for b in blocks}
         for b in blocks:
-            fmt = formats[b.format_id]
-            if len(b.pages) != len(fmt.paged_layers):
-                raise InvalidInput(f"block {b.key.short} has {len(b.pages)} pages; its format has "
-                                   f"{len(fmt.paged_layers)} paged layers")
-            if len(b.tokens) > fmt.block_size_tokens:
-                raise InvalidInput(f"block {b.key.short} holds {len(b.tokens)} tokens, more than "
-                                   f"the format's block size {fmt.block_size_tokens}")
+            check_block_shape(b, formats[b.format_id])
         stamp = now_ns()
 
-        def commit(txn, dbs):
-            self._apply_touches(txn, dbs)
-            batch_keys = {}
-            missing_pages, new, existing = [], 0, 0
-            for b in blocks:
-                fmt = formats[b.format_id]
-                if b.key in batch_keys or txn.get(b.key, db=dbs["blocks"]) is not None:
-                    existing += 1
-                    if b.key not in batch_keys:
-                        _touch_block(txn, dbs, b.key, stamp)
-                    continue
-                if not b.is_root:
-                    parent = batch_keys.get(b.parent)
-                    if parent is None:
-                        raw = txn.get(b.parent, db=dbs["blocks"])
-                        parent = BlockRecord.decode(raw) if raw is not None else None
-                    if parent is None or parent.namespace != b.namespace:
-                        # another namespace's block reads exactly as an absent one: the
-                        # answer must not tell a tenant what another tenant stored
-                        raise MissingReferences(f"block {b.key.short}", [f"parent block {b.parent.hex()}"])
-                    if len(parent.tokens) != fmt.block_size_tokens or parent.format_id != b.format_id:
-                        raise InvalidInput(f"block {b.key.short}'s parent is a partial block or of "
-                                           "another format")
-                for layer_index, d in zip(fmt.paged_layers, b.pages):
-                    value = txn.get(d, db=dbs["pages"])
-                    if value is None:
-                        missing_pages.append(f"page {d.hex()}")
-                        continue
-                    want = fmt.layers[layer_index].page_nbytes(len(b.tokens))
-                    got = accounted_nbytes(value)[0]
-                    if got != want:
-                        raise InvalidInput(
-                            f"block {b.key.short} layer {layer_index}: page {d.short} holds {got} "
-                            f"bytes, the format needs {want} for {len(b.tokens)} tokens")
-                if missing_pages:
-                    # nothing will be committed; keep validating the children so the
-                    # error names every absent page, not the parent of the next block
-                    batch_keys[b.key] = b
-                    continue
-                record = b.with_times(stamp, stamp)
-                _insert_block(txn, dbs, record)
-                batch_keys[b.key] = record
-                new += 1
-            if missing_pages:
-                raise MissingReferences("commit_blocks", missing_pages)
+        def commit(index: StoreIndex) -> CommitResult:
+            self._touches.apply(index)
+            new, existing = index.commit_blocks(blocks, formats, stamp)
             evicted = 0
             if self.config.budget_nbytes is not None:
-                evicted = _evict_to(txn, dbs, self.config.budget_nbytes).blocks
+                evicted = index.evict_to(self.config.budget_nbytes).blocks
             return CommitResult(new, existing, evicted)
 
-        result = self._lmdb.write(commit, what="committing blocks", buffers=True)
+        result = self.index.write(commit, what="committing blocks", buffers=True)
         faults.crash_point("acknowledged")
         return result
 
     def get_blocks(self, keys: Sequence) -> list[BlockRecord]:
         out = []
-        with self._lmdb.read() as txn:
-            for k in (ChainKey.coerce(x) for x in keys):
-                raw = txn.get(k, db=self._lmdb.dbs["blocks"])
-                if raw is None:
-                    raise NotFound(f"block {k.hex()} is not stored")
-                out.append(BlockRecord.decode(raw))
+        for k, record in zip(keys, self.find_blocks(keys), strict=True):
+            if record is None:
+                raise NotFound(f"block {ChainKey.coerce(k).hex()} is not stored")
+            out.append(record)
         return out
 
     def list_blocks(self, namespace: str | None = None, *, after=None,
@@ -497,35 +378,30 @@ class Store:
             check_namespace(namespace)
         start = bytes(ChainKey.coerce(after)) if after is not None else b""
         out: list[BlockRecord] = []
-        with self._lmdb.read() as txn:
-            with txn.cursor(db=self._lmdb.dbs["blocks"]) as cur:
-                if not cur.set_range(start):
-                    return out
-                for key, value in cur:
-                    if bytes(key) == start:
-                        continue
-                    record = BlockRecord.decode(value)
-                    if namespace is None or record.namespace == namespace:
-                        out.append(record)
-                        if len(out) >= limit:
-                            break
+        with self.index.read() as index:
+            for key, value in index.block_records(start):
+                if key == start:
+                    continue
+                record = BlockRecord.decode(value)
+                if namespace is None or record.namespace == namespace:
+                    out.append(record)
+                    if len(out) >= limit:
+                        break
         return out
 
     def find_blocks(self, keys: Sequence) -> list[BlockRecord | None]:
         """The stored record of each key, or None: record presence only (a record whose
         pages are damaged is still returned; has_blocks says whether it is complete)."""
-        with self._lmdb.read() as txn:
-            raws = [txn.get(ChainKey.coerce(k), db=self._lmdb.dbs["blocks"]) for k in keys]
-        return [BlockRecord.decode(raw) if raw is not None else None for raw in raws]
+        with self.index.read() as index:
+            return [index.block(ChainKey.coerce(k)) for k in keys]
 
     def has_blocks(self, keys: Sequence) -> list[bool]:
         """One bool per key: True only when the block's record is stored and every page
         it names is present (not missing, not quarantined). A block that answers False
         is published again, pages and all; that is how a quarantined page heals. A
         presence check: page values are never copied (buffers=True) or hashed."""
-        dbs = self._lmdb.dbs
-        with self._lmdb.read(buffers=True) as txn:
-            return [_complete_record(txn, dbs, ChainKey.coerce(k)) is not None for k in keys]
+        with self.index.read(buffers=True) as index:
+            return [index.complete_block(ChainKey.coerce(k)) is not None for k in keys]
 
     def lookup_prefix(self, format_id, namespace: str, tokens: Sequence[int], *,
                       max_tokens: int | None = None) -> PrefixMatch:
@@ -535,36 +411,15 @@ class Store:
         block that names a missing or quarantined page (a presence check, no hashing):
         the caller recomputes from there, and stats count the lookup in
         lookups_stopped_at_damage."""
-        fid = _format_id_bytes(format_id)
+        fid = format_id_bytes(format_id)
         check_namespace(namespace)
         tokens = list(tokens)[: max_tokens if max_tokens is not None else None]
         identity = self._cached_format(fid)
-        matched: list[BlockRecord] = []
-        damaged = False
+        matched, damaged = [], False
         if identity is not None and tokens:
-            bs = identity.block_size_tokens
-            parent, pos = ROOT_KEY, 0
-            dbs = self._lmdb.dbs
-            with self._lmdb.read(buffers=True) as txn:  # presence of pages: never copied
-                while pos + bs <= len(tokens):
-                    key = chain_key(fid, namespace, parent, tokens[pos : pos + bs])
-                    record = _complete_record(txn, dbs, key)
-                    if record is None:
-                        damaged = txn.get(key, db=dbs["blocks"]) is not None
-                        break
-                    matched.append(record)
-                    parent, pos = key, pos + bs
-                if not damaged:  # a trailing partial block, after the full ones
-                    for n in range(min(len(tokens) - pos, bs - 1), 0, -1):
-                        key = chain_key(fid, namespace, parent, tokens[pos : pos + n])
-                        if txn.get(key, db=dbs["blocks"]) is None:
-                            continue
-                        record = _complete_record(txn, dbs, key)
-                        if record is None:
-                            damaged = True
-                        else:
-                            matched.append(record)
-                        break
+            with self.index.read(buffers=True) as index:  # presence of pages: never copied
+                matched, damaged = index.match_prefix(fid, namespace, tokens,
+                                                      identity.block_size_tokens)
         count = sum(len(b.tokens) for b in matched)
         self._note_lookup(len(tokens), count, [b.key for b in matched], damaged)
         return PrefixMatch(count, tuple(matched))
@@ -576,60 +431,38 @@ class Store:
         page must be stored. Raises AlreadyExists unless replace=True."""
         identity = self._require_format(checkpoint.format_id)
         stamp = now_ns()
-        record = Checkpoint(**{**_ckpt_fields(checkpoint), "created_ns": stamp})
+        record = dataclasses.replace(checkpoint, created_ns=stamp)  # re-validated
 
-        def create(txn, dbs):
-            self._apply_touches(txn, dbs)
-            key = record.db_key
-            old = txn.get(key, db=dbs["checkpoints"])
-            if old is not None and not replace:
+        def create(index: StoreIndex) -> Checkpoint:
+            self._touches.apply(index)
+            if not index.put_checkpoint(record, identity, stamp, replace=replace):
                 raise AlreadyExists(f"checkpoint {record.namespace}/{record.name} exists; "
                                     "delete it or pass replace=True")
-            _validate_checkpoint(txn, dbs, record, identity)
-            if old is not None:
-                _unpin_checkpoint(txn, dbs, Checkpoint.decode(old))
-            txn.put(key, record.encode(), db=dbs["checkpoints"])
-            for k in record.chain_keys:
-                _add_u64(txn, dbs["pins"], k, 1)
-                _touch_block(txn, dbs, k, stamp)
-            for d in record.attachments.values():
-                _add_ref(txn, dbs, d, 1)
             return record
 
-        result = self._lmdb.write(create, what="creating a checkpoint", buffers=True)
+        result = self.index.write(create, what="creating a checkpoint", buffers=True)
         faults.crash_point("acknowledged")
         return result
 
     def get_checkpoint(self, namespace: str, name: str) -> Checkpoint:
-        with self._lmdb.read() as txn:
-            raw = txn.get(checkpoint_key(namespace, name), db=self._lmdb.dbs["checkpoints"])
-        if raw is None:
+        with self.index.read() as index:
+            ckpt = index.checkpoint(checkpoint_key(namespace, name))
+        if ckpt is None:
             raise NotFound(f"checkpoint {namespace}/{name} does not exist")
-        return Checkpoint.decode(raw)
+        return ckpt
 
     def list_checkpoints(self, namespace: str | None = None) -> list[Checkpoint]:
         prefix = check_namespace(namespace).encode() + b"\x00" if namespace is not None else b""
-        out = []
-        with self._lmdb.read() as txn:
-            with txn.cursor(db=self._lmdb.dbs["checkpoints"]) as cur:
-                if not cur.set_range(prefix):
-                    return out
-                for key, value in cur:
-                    if not key.startswith(prefix):
-                        break
-                    out.append(Checkpoint.decode(value))
-        return out
+        with self.index.read() as index:
+            return [Checkpoint.decode(value) for _, value in index.checkpoint_records(prefix)]
 
     def delete_checkpoint(self, namespace: str, name: str) -> None:
         key = checkpoint_key(namespace, name)
 
-        def delete(txn, dbs):
-            raw = txn.get(key, db=dbs["checkpoints"])
-            if raw is None:
+        def delete(index: StoreIndex) -> None:
+            if not index.delete_checkpoint(key):
                 raise NotFound(f"checkpoint {namespace}/{name} does not exist")
-            _unpin_checkpoint(txn, dbs, Checkpoint.decode(raw))
-            txn.delete(key, db=dbs["checkpoints"])
-        self._lmdb.write(delete, what="deleting a checkpoint", buffers=True, freeing=True)
+        self.index.write(delete, what="deleting a checkpoint", buffers=True, freeing=True)
 
     # -- capacity, stats, maintenance ----------------------------------------------------
     def evict(self, to_nbytes: int) -> EvictionReport:
@@ -638,9 +471,9 @@ class Store:
         if to_nbytes < 0:
             raise InvalidInput("eviction target must be >= 0 bytes")
 
-        def run(txn, dbs, max_blocks):
-            self._apply_touches(txn, dbs)
-            return _evict_to(txn, dbs, to_nbytes, max_blocks=max_blocks)
+        def run(index: StoreIndex, max_blocks: int) -> EvictionReport:
+            self._touches.apply(index)
+            return index.evict_to(to_nbytes, max_blocks=max_blocks)
 
         # In bounded transactions, as GC deletes. On a full disk (or a map at its limit)
         # a transaction's copied pages must fit in the pages earlier ones freed, so a
@@ -649,7 +482,7 @@ class Store:
         batch = EVICT_BATCH_BLOCKS
         while True:
             try:
-                report = self._lmdb.write(lambda txn, dbs: run(txn, dbs, batch),
+                report = self.index.write(lambda index: run(index, batch),
                                           what="evicting blocks", buffers=True, freeing=True)
             except StoreFull:
                 if batch == 1:
@@ -661,11 +494,10 @@ class Store:
                 return EvictionReport(blocks, pages, freed)
 
     def stats(self) -> StoreStats:
-        dbs = self._lmdb.dbs
-        with self._lmdb.read() as txn:
-            counts = {name: txn.stat(dbs[name])["entries"] for name in
+        with self.index.read() as index:
+            counts = {name: index.entries(name) for name in
                       ("pages", "blocks", "checkpoints", "formats", "quarantine", "pins")}
-            counters = {name: _get_u64(txn, dbs["meta"], name.encode()) for name in COUNTERS}
+            counters = index.counters()
         lookups, hits, asked, matched, stopped = self._lookups
         return StoreStats(
             page_count=counts["pages"], block_count=counts["blocks"],
@@ -677,74 +509,63 @@ class Store:
             lookups_stopped_at_damage=stopped, **counters,
         )
 
-    def check(self, read_data: bool = False, subset: tuple[int, int] | None = None, progress=None):
+    def check(self, read_data: bool = False, subset: tuple[int, int] | None = None,
+              progress=None) -> CheckReport:
         """Verify the whole index (and, with read_data, every page's blake3). Returns a
         CheckReport of typed problems; see kvstore/check.py."""
-        from kvstore.check import check_store
         return check_store(self, read_data=read_data, subset=subset, progress=progress)
 
-    def plan_gc(self, grace_s: float = 3600.0):
+    def plan_gc(self, grace_s: float = 3600.0) -> GCPlan:
         """A GCPlan of unreferenced pages older than grace_s and orphans; see kvstore/gc.py."""
-        from kvstore.gc import plan_gc
         return plan_gc(self, grace_s)
 
     # -- internals -------------------------------------------------------------------------
     def _require_format(self, format_id) -> FormatIdentity:
-        identity = self._cached_format(_format_id_bytes(format_id))
+        identity = self._cached_format(format_id_bytes(format_id))
         if identity is None:
             raise MissingReferences("the record", [f"format {bytes(format_id).hex()}"])
         return identity
 
     def _note_lookup(self, asked: int, matched: int, keys: list[bytes], damaged: bool) -> None:
-        with self._touch_lock:
-            self._lookups[0] += 1
-            self._lookups[1] += 1 if matched else 0
-            self._lookups[2] += asked
-            self._lookups[3] += matched
-            self._lookups[4] += 1 if damaged else 0
-            if not keys:
-                return
-            stamp = now_ns()
-            if not self._pending_touches:
-                self._touches_since = time.monotonic()
-            for k in keys:
-                self._pending_touches[bytes(k)] = stamp
-            due = time.monotonic() - self._touches_since > TOUCH_FLUSH_S
-        if due and not self._lmdb.readonly:
+        with self._lookup_lock:
+            for i, n in enumerate((1, 1 if matched else 0, asked, matched, 1 if damaged else 0)):
+                self._lookups[i] += n
+        if keys and self._touches.add(keys, now_ns()) > TOUCH_FLUSH_S and not self._lmdb.readonly:
             try:
                 self._flush_touches()
             except (StoreIOError, StoreFull):
-                pass  # only LRU order is lost (see _apply_touches); the lookup itself succeeded
+                pass  # only LRU order is lost (see PendingTouches); the lookup succeeded
 
     def _flush_touches(self) -> None:
-        with self._touch_lock:
-            if not self._pending_touches:
-                return
-        # rewrites existing records only; allowed into the headroom so close() never fails
-        self._lmdb.write(self._apply_touches, what="recording block use", freeing=True)
-
-    def _apply_touches(self, txn, dbs) -> None:
-        """LRU touches from lookups are kept in memory and written with the next write:
-        losing them in a crash only ages the LRU order, never the data."""
-        with self._touch_lock:
-            touches, self._pending_touches = self._pending_touches, {}
-        for key, stamp in touches.items():
-            _touch_block(txn, dbs, key, stamp)
+        if self._touches:
+            # rewrites existing records only; allowed into the headroom so close() never fails
+            self.index.write(self._touches.apply, what="recording block use", freeing=True)
 
     @property
     def lmdb(self) -> LmdbEnv:
-        """The environment, for kvstore.gc and kvstore.check."""
+        """The environment itself, for tests that damage it on purpose; kvstore.gc,
+        kvstore.check and the tools go through Store.index (kvstore/index.py)."""
         return self._lmdb
 
 
-# -- record maintenance inside one write transaction -----------------------------------
+def _clock() -> int:
+    return now_ns()  # looked up at each call, so a test that moves kvstore.store.now_ns moves it
+
+
 def _init_meta(txn, dbs) -> None:
     """The meta record of a new store, written with its databases (kvstore/lmdbenv.py:
     an environment without it is refused as damaged, never initialised again)."""
     txn.put(META_RECORD, U64.pack(STORE_SCHEMA_VERSION), db=dbs["meta"])
 
 
-def _format_id_bytes(format_id) -> bytes:
+def _raise_absent(index: StoreIndex, d: PageDigest):
+    if index.is_quarantined(d):
+        raise IntegrityError(d.hex(), "quarantined earlier")
+    raise NotFound(f"page {d.hex()} is not stored")
+
+
+def format_id_bytes(format_id) -> bytes:
+    """A format id given as a FormatIdentity, 64 hex characters or 32 bytes, as bytes."""
     if isinstance(format_id, FormatIdentity):
         return format_id.format_id
     if isinstance(format_id, str):
@@ -765,180 +586,3 @@ def _batches(items: list, max_nbytes: int):
     if batch:
         yield batch
 
-
-def _write_pages(txn, dbs, encoded) -> tuple[int, int, int]:
-    new = existing = stored_total = 0
-    stamp = U64.pack(now_ns())
-    for digest, header, stored in encoded:
-        if txn.get(digest, db=dbs["pages"]) is not None:
-            existing += 1
-        else:
-            raw_nbytes = PageHeader.unpack(header).raw_nbytes
-            txn.put(digest, b"".join((header, stored)), db=dbs["pages"])
-            _counter(txn, dbs, "raw_nbytes", raw_nbytes)
-            _counter(txn, dbs, "stored_nbytes", HEADER_NBYTES + len(stored))
-            txn.put(digest, SIZES.pack(raw_nbytes, HEADER_NBYTES + len(stored)), db=dbs["page_sizes"])
-            # a page re-uploaded after quarantine: its surviving references count again,
-            # and the damaged copy goes (the page is whole again; nothing to keep it for)
-            refs = _get_u64(txn, dbs["refs"], digest)
-            if refs:
-                _counter(txn, dbs, "referenced_raw_nbytes", refs * raw_nbytes)
-            txn.delete(digest, db=dbs["quarantine"])
-            stored_total += HEADER_NBYTES + len(stored)
-            new += 1
-        txn.put(digest, stamp, db=dbs["page_times"])
-    faults.crash_point("page_written")
-    return new, existing, stored_total
-
-
-def _complete_record(txn, dbs, key: bytes) -> BlockRecord | None:
-    """The block record under `key` when it is stored and every page it names is in
-    `pages` (quarantine moves a page out of it); else None. txn may use buffers."""
-    raw = txn.get(bytes(key), db=dbs["blocks"])
-    if raw is None:
-        return None
-    record = BlockRecord.decode(raw)  # copies the record before any other get
-    pages = dbs["pages"]
-    return record if all(txn.get(d, db=pages) is not None for d in record.pages) else None
-
-
-def page_sizes(txn, dbs, digest: bytes, value) -> tuple[int, int]:
-    """(raw, stored) bytes a page was counted with when written: from `page_sizes`, or
-    recovered from the record itself for pages written before that database existed."""
-    raw = txn.get(digest, db=dbs["page_sizes"])
-    return SIZES.unpack(raw) if raw is not None else accounted_nbytes(value)
-
-
-def _forget_page_bytes(txn, dbs, digest: bytes, value) -> None:
-    raw_nbytes, stored_nbytes = page_sizes(txn, dbs, digest, value)
-    _counter(txn, dbs, "raw_nbytes", -raw_nbytes)
-    _counter(txn, dbs, "stored_nbytes", -stored_nbytes)
-
-
-def _delete_page(txn, dbs, digest: bytes) -> int:
-    """Remove one page and its grace time; returns stored bytes freed."""
-    value = txn.get(digest, db=dbs["pages"])
-    if value is None:
-        return 0
-    freed = len(value)
-    _forget_page_bytes(txn, dbs, digest, value)  # reads value before it modifies anything
-    txn.delete(digest, db=dbs["pages"])
-    txn.delete(digest, db=dbs["page_sizes"])
-    txn.delete(digest, db=dbs["page_times"])
-    return freed
-
-
-def _raw_nbytes_of(txn, dbs, digest: bytes) -> int:
-    value = txn.get(digest, db=dbs["pages"])
-    return page_sizes(txn, dbs, digest, value)[0] if value is not None else 0
-
-
-def _add_ref(txn, dbs, digest: bytes, delta: int) -> int:
-    _counter(txn, dbs, "referenced_raw_nbytes", delta * _raw_nbytes_of(txn, dbs, digest))
-    return _add_u64(txn, dbs["refs"], digest, delta)
-
-
-def _insert_block(txn, dbs, record: BlockRecord) -> None:
-    txn.put(record.key, record.encode(), db=dbs["blocks"])
-    txn.put(U64.pack(record.last_used_ns) + record.key, b"", db=dbs["lru"])
-    if not record.is_root:
-        txn.put(record.parent + record.key, b"", db=dbs["children"])
-    for d in record.pages:
-        _add_ref(txn, dbs, d, 1)
-
-
-def _touch_block(txn, dbs, key: bytes, stamp: int) -> None:
-    raw = txn.get(key, db=dbs["blocks"])
-    if raw is None:
-        return
-    record = BlockRecord.decode(raw)
-    if record.last_used_ns >= stamp:
-        return
-    txn.delete(U64.pack(record.last_used_ns) + key, db=dbs["lru"])
-    txn.put(U64.pack(stamp) + key, b"", db=dbs["lru"])
-    txn.put(key, record.with_times(record.created_ns, stamp).encode(), db=dbs["blocks"])
-
-
-def _remove_block(txn, dbs, record: BlockRecord) -> tuple[int, int]:
-    """Delete an unpinned leaf block; pages left with no reference go too.
-    Returns (pages deleted, stored bytes freed)."""
-    key = record.key
-    assert txn.get(key, db=dbs["pins"]) is None, f"evicting pinned block {key.hex()}"
-    txn.delete(key, db=dbs["blocks"])
-    txn.delete(U64.pack(record.last_used_ns) + key, db=dbs["lru"])
-    if not record.is_root:
-        txn.delete(record.parent + key, db=dbs["children"])
-    pages = freed = 0
-    for d in record.pages:
-        if _add_ref(txn, dbs, d, -1) == 0:
-            freed += _delete_page(txn, dbs, d)
-            pages += 1
-    return pages, freed
-
-
-def _evict_to(txn, dbs, target_nbytes: int, max_blocks: int | None = None) -> EvictionReport:
-    stored = _get_u64(txn, dbs["meta"], b"stored_nbytes")
-    if stored <= target_nbytes:
-        return EvictionReport(0, 0, 0)
-    heap = []
-    with txn.cursor(db=dbs["lru"]) as cur:
-        for key, _ in cur:
-            stamp, chain = U64.unpack(key[:8])[0], bytes(key[8:])
-            if txn.get(chain, db=dbs["pins"]) is None and not _has_children(txn, dbs, chain):
-                heap.append((stamp, chain))
-    heapq.heapify(heap)
-    blocks = pages = freed = 0
-    while heap and stored > target_nbytes and (max_blocks is None or blocks < max_blocks):
-        _, chain = heapq.heappop(heap)
-        record = BlockRecord.decode(txn.get(chain, db=dbs["blocks"]))
-        p, f = _remove_block(txn, dbs, record)
-        blocks, pages, freed, stored = blocks + 1, pages + p, freed + f, stored - f
-        parent = record.parent
-        if (not record.is_root and txn.get(parent, db=dbs["pins"]) is None
-                and not _has_children(txn, dbs, parent)):
-            parent_record = BlockRecord.decode(txn.get(parent, db=dbs["blocks"]))
-            heapq.heappush(heap, (parent_record.last_used_ns, parent))
-    if blocks:
-        _counter(txn, dbs, "evicted_blocks", blocks)
-        _counter(txn, dbs, "evicted_nbytes", freed)
-    return EvictionReport(blocks, pages, freed)
-
-
-def _ckpt_fields(c: Checkpoint) -> dict:
-    return {"name": c.name, "namespace": c.namespace, "format_id": c.format_id,
-            "tokens": c.tokens, "chain_keys": c.chain_keys, "attachments": c.attachments,
-            "metadata": c.metadata}
-
-
-def _validate_checkpoint(txn, dbs, c: Checkpoint, identity: FormatIdentity) -> None:
-    missing, parent, tokens = [], ROOT_KEY, []
-    for k in c.chain_keys:
-        raw = txn.get(k, db=dbs["blocks"])
-        if raw is None:
-            missing.append(f"block {k.hex()}")
-            continue
-        record = BlockRecord.decode(raw)
-        if record.namespace != c.namespace:  # reads as absent: no cross-tenant oracle
-            missing.append(f"block {k.hex()}")
-            continue
-        if record.format_id != c.format_id:
-            raise InvalidInput(f"block {k.short} belongs to another format")
-        if record.parent != parent:
-            raise InvalidInput(f"block {k.short} does not follow the previous block in the chain")
-        parent = k
-        tokens.extend(record.tokens)
-    for name, d in c.attachments.items():
-        if txn.get(d, db=dbs["pages"]) is None:
-            missing.append(f"attachment {name} page {d.hex()}")
-    if missing:
-        raise MissingReferences(f"checkpoint {c.namespace}/{c.name}", missing)
-    if tuple(tokens) != tuple(c.tokens):
-        raise InvalidInput(f"checkpoint {c.namespace}/{c.name}: its blocks hold {len(tokens)} tokens "
-                           f"that are not the {len(c.tokens)} tokens it names")
-
-
-def _unpin_checkpoint(txn, dbs, c: Checkpoint) -> None:
-    for k in c.chain_keys:
-        _add_u64(txn, dbs["pins"], k, -1)
-    for d in c.attachments.values():
-        _add_ref(txn, dbs, d, -1)

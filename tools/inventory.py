@@ -13,9 +13,9 @@ Nouns:
 Checkpoints and block records come from the store protocol (list_checkpoints,
 list_blocks), so they list through Store and RemoteStore alike; pins are recounted
 from the checkpoints. Per-page stored sizes and reverse references need the page
-tables: for a local Store they are read in one read transaction through Store.lmdb
-(the same public handle kvstore.check and kvstore.gc use); over HTTP stored sizes are
-reported as unknown. Cost: one pass over every block record (O(blocks) memory), which
+tables: for a local store they are read in one read transaction of its index
+(Store.index, kvstore/index.py, as kvstore.check and kvstore.gc do); over HTTP
+stored sizes are reported as unknown. Cost: one pass over every block record (O(blocks) memory), which
 suits an admin tool.
 """
 
@@ -29,6 +29,7 @@ from typing import Iterable, Optional
 from kvstore.format import FormatIdentity
 from kvstore.ids import ROOT_KEY
 from kvstore.pages import accounted_nbytes
+from kvstore.protocol import IndexedStore
 from kvstore.records import BlockRecord, Checkpoint
 
 
@@ -74,7 +75,8 @@ def page_formats(identity: Optional[FormatIdentity]) -> str:
 
 
 def local_only(store) -> bool:
-    return hasattr(store, "lmdb")
+    """A local store (Store, TieredStore): its index can be read (kvstore.protocol)."""
+    return isinstance(store, IndexedStore)
 
 
 # -- local reads ----------------------------------------------------------------------------
@@ -106,10 +108,9 @@ def page_sizes(store, digests: Iterable) -> dict[bytes, tuple[int, Optional[int]
             except KeyError:
                 continue
         return out
-    db = store.lmdb.dbs["pages"]
-    with store.lmdb.read(buffers=True) as txn:
+    with store.index.read(buffers=True) as index:
         for d in wanted:
-            value = txn.get(d, db=db)
+            value = index.page(d)
             if value is not None:
                 out[d] = accounted_nbytes(value)
     return out
@@ -126,9 +127,8 @@ def pins(store, checkpoints: Optional[list[Checkpoint]] = None) -> dict[bytes, i
 
 
 def refcount(store, digest: bytes) -> int:
-    with store.lmdb.read() as txn:
-        raw = txn.get(bytes(digest), db=store.lmdb.dbs["refs"])
-    return int.from_bytes(bytes(raw), "big") if raw is not None else 0
+    with store.index.read() as index:
+        return index.refs(digest)
 
 
 # -- rows ------------------------------------------------------------------------------------

@@ -49,8 +49,8 @@ from kvstore.errors import IncompatibleFormat, KVStoreError, UnsupportedVersion
 from kvstore.fileio import AtomicFile
 from kvstore.format import PACKED_FORMATS, FormatIdentity
 from kvstore.ids import PageDigest
+from kvstore.pages import hash_page
 from kvstore.records import BlockRecord, Checkpoint, blocks_for_tokens
-from kvstore.store import hash_page
 
 FILE_KIND = "mlx-kvstore/checkpoint"
 EXPORT_VERSION = 1

@@ -131,7 +131,7 @@ def block_payload(record: BlockRecord) -> bytes:
 
 def decode_page(key: str, digest: PageDigest, body) -> memoryview:
     """The page bytes (a view of body), verified against the digest it is named by."""
-    from kvstore.store import hash_page
+    from kvstore.pages import hash_page
 
     payload = open_envelope(key, "pages", body)
     actual = hash_page(payload)

@@ -49,7 +49,7 @@ from kvstore.errors import NotFound
 from kvstore.format import FormatIdentity
 from kvstore.ids import ROOT_KEY, ChainKey, PageDigest, chain_key, chain_keys, check_namespace
 from kvstore.records import BlockRecord, Checkpoint
-from kvstore.store import PrefixMatch, Store, StoreStats, _format_id_bytes
+from kvstore.store import PrefixMatch, Store, StoreStats, format_id_bytes
 from kvstore.tier import layout as L
 from kvstore.tier.bucket import Bucket, TierConfig
 from kvstore.tier.errors import RemoteUnavailable
@@ -121,8 +121,13 @@ class TieredStore:
 
     @property
     def lmdb(self):
-        """The local environment (tools that read a local store directly use it)."""
+        """The local environment (tests that damage it on purpose)."""
         return self.local.lmdb
+
+    @property
+    def index(self):
+        """The local store's index (kvstore/index.py), for tools that read it."""
+        return self.local.index
 
     def close(self) -> None:
         self.uploader.stop()
@@ -264,7 +269,7 @@ class TieredStore:
         try:
             return self.local.get_format(format_id)
         except NotFound:
-            identity = self._pull_format(_format_id_bytes(format_id))
+            identity = self._pull_format(format_id_bytes(format_id))
             if identity is None:
                 raise
             return identity
@@ -310,7 +315,7 @@ class TieredStore:
             return local
 
     def _lookup_remote(self, local: PrefixMatch, format_id, namespace: str, tokens, max_tokens):
-        fid = _format_id_bytes(format_id)
+        fid = format_id_bytes(format_id)
         check_namespace(namespace)
         tokens = list(tokens)[: max_tokens if max_tokens is not None else None]
         try:

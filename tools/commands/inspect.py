@@ -125,7 +125,7 @@ def show(
     _print_doc(doc)
 
 
-def _find_checkpoint(store, what: str, namespace: Optional[str]):
+def find_checkpoint(store, what: str, namespace: Optional[str]):
     if "/" in what:
         namespace, _, what = what.partition("/")
     if namespace is not None:
@@ -145,7 +145,7 @@ def _identity_doc(identity: FormatIdentity) -> dict:
 
 
 def _show_checkpoint(store, what: str, namespace: Optional[str]) -> dict:
-    ckpt = _find_checkpoint(store, what, namespace)
+    ckpt = find_checkpoint(store, what, namespace)
     identity = store.get_format(ckpt.format_id)
     records = store.get_blocks(ckpt.chain_keys)
     digests = [d for r in records for d in r.pages] + list(ckpt.attachments.values())

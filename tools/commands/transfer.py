@@ -24,7 +24,7 @@ from tools.commands.common import (
     store_errors,
     target,
 )
-from tools.commands.inspect import _find_checkpoint
+from tools.commands.inspect import find_checkpoint
 
 ExportFileArgument = typer.Argument(..., metavar="FILE", help="the file to write (.safetensors)")
 ImportFileArgument = typer.Argument(..., metavar="FILE", help="a file written by `kvstore export`")
@@ -51,7 +51,7 @@ def export(
     if not file.parent.is_dir():
         fail(f"no directory {file.parent} to write {file.name} into", EXIT_NOT_FOUND)
     with open_store(target(data_dir, url, token)) as store, store_errors():
-        ckpt = _find_checkpoint(store, name, namespace)
+        ckpt = find_checkpoint(store, name, namespace)
         total = sum(store.page_nbytes([d for r in store.get_blocks(ckpt.chain_keys) for d in r.pages]
                                       + list(ckpt.attachments.values())))
         with progress_bar(not as_json) as bar:
