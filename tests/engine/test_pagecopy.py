@@ -57,6 +57,7 @@ def test_pages_land_in_the_pool_memory_that_earlier_host_views_see(name):
     assert [bytes(p) for p in got] == pages
 
 
+@pytest.mark.skipif(not direct_writes(), reason="device backend: pages go through staging")
 @pytest.mark.parametrize("workers", [1, 2])
 def test_threaded_copies_equal_inline_ones(workers, monkeypatch):
     monkeypatch.setattr("engine.pagecopy.MIN_THREADED_NBYTES", 0)
