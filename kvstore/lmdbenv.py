@@ -178,8 +178,13 @@ class LmdbEnv:
                 )
             except lmdb.MapResizedError:
                 continue
-            except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError,
-                    lmdb.VersionMismatchError) as exc:
+            except lmdb.Error as exc:
+                if self.readonly and not (self.path / "data.mdb").exists():
+                    raise NotFound(f"no store at {self.path} (no data.mdb; a read-only open "
+                                   "never creates one)") from None
+                if not isinstance(exc, (lmdb.InvalidError, lmdb.CorruptedError,
+                                        lmdb.PageNotFoundError, lmdb.VersionMismatchError)):
+                    raise
                 raise StoreCorrupt(f"store at {self.path} is damaged: LMDB refuses its data file "
                                    f"({exc}); nothing was written. See docs/reliability.md "
                                    "('A store refused as damaged')") from None

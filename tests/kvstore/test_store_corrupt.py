@@ -139,6 +139,20 @@ def test_sub_databases_without_the_meta_record_are_refused(tmp_path):
     assert _files(path) == before
 
 
+def test_a_read_only_open_of_no_store_is_not_found(tmp_path):
+    from kvstore.errors import NotFound
+
+    with pytest.raises(NotFound, match="no store"):
+        Store(tmp_path / "nothing", readonly=True)
+    import lmdb
+
+    lmdb.open(str(tmp_path / "empty")).close()  # an environment nothing was committed to
+    with pytest.raises(NotFound, match="no store"):
+        Store(tmp_path / "empty", readonly=True)
+    with Store(tmp_path / "empty") as store:  # read-write: created whole
+        assert store.stats().block_count == 0
+
+
 def test_a_new_store_is_created_whole_and_reopens(tmp_path):
     path = tmp_path / "store"
     with make_store(path) as store:
