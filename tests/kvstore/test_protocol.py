@@ -100,3 +100,56 @@ def test_a_class_missing_a_method_does_not_conform():
 
     assert not isinstance(Partial(), PageReader)
     assert not isinstance(Partial(), StoreProtocol)
+
+
+class _EmptyBucket(_NoBucket):
+    """A reachable bucket that holds nothing: every lookup's remote part is a miss."""
+
+    def __init__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(2)
+
+    def get(self, key):
+        return None
+
+    def head(self, key):
+        return None
+
+    def list(self, prefix):
+        return []
+
+    def close(self):
+        self.pool.shutdown()
+
+
+def test_store_and_tiered_store_agree_on_a_damaged_block(tmp_path):
+    """has_blocks and lookup_prefix of a TieredStore answer as its local Store does when
+    a page is quarantined (RemoteStore: tests/tools/test_remote_damage.py)."""
+    from kvstore.errors import IntegrityError
+    from kvstore.pages import HEADER_NBYTES
+    from tests.kvstore.factories import (
+        flip_bit,
+        make_identity,
+        restore_prefix,
+        save_prefix,
+        stored_value,
+    )
+
+    identity, tokens, path = make_identity(), list(range(300, 316)), tmp_path / "local"
+    with make_store(path) as store:
+        saved = save_prefix(store, identity, "default", tokens)
+        value = stored_value(store, saved.records[2].pages[0])
+    flip_bit(path, value, HEADER_NBYTES * 8 + 17)
+    keys = list(saved.chain_keys)
+    tiered = TieredStore(make_store(path), TierConfig(bucket="b"), bucket=_EmptyBucket(),
+                         start_uploader=False)
+    try:
+        assert tiered.has_blocks(keys) == tiered.local.has_blocks(keys) == [True] * 4
+        with pytest.raises(IntegrityError):
+            restore_prefix(tiered, identity, "default", tokens)
+        assert tiered.has_blocks(keys) == tiered.local.has_blocks(keys) == [True, True, False, True]
+        assert restore_prefix(tiered, identity, "default", tokens)[0] == 8
+        assert tiered.local.lookup_prefix(identity.format_id, "default", tokens).tokens_matched == 8
+    finally:
+        tiered.close()
