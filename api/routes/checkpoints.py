@@ -1,11 +1,18 @@
 """Checkpoints: POST create, GET list, GET one, DELETE one (admin). Addressed as
-/v1/checkpoints/{namespace}/{name}; a token may only name its own namespace."""
+/v1/checkpoints/{namespace}/{name}; a token may only name its own namespace.
+
+Reads answer the stored records as JSON directly, not through the response model:
+the embedded Store (an engine on the server's host) may have written metadata past
+the limits this service sets on the way in (api/schemas.py check_metadata), and
+pydantic refuses to serialise nesting past 255 levels. One such record must not make
+the namespace's listing, or the admin's listing of every namespace, a 500."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
+from fastapi.responses import JSONResponse
 
 from api.auth import AdminDep, PrincipalDep
 from api.deps import StoreDep
@@ -42,20 +49,20 @@ def create_checkpoint(body: CheckpointCreate, store: StoreDep,
 
 @router.get("", response_model=CheckpointList, responses=documented(*QUERY, 403))
 def list_checkpoints(store: StoreDep,
-                     principal: PrincipalDep, namespace: NamespaceQuery = None) -> dict:
+                     principal: PrincipalDep, namespace: NamespaceQuery = None) -> JSONResponse:
     """Checkpoints of one namespace (the token's own when none is named; every
     namespace for an admin over '*' that names none)."""
     scope = principal.default_namespace(namespace)
-    return {"checkpoints": [checkpoint_to_json(c) for c in store.list_checkpoints(scope)]}
+    return JSONResponse({"checkpoints": [checkpoint_to_json(c) for c in store.list_checkpoints(scope)]})
 
 
 @router.get("/{namespace}/{name}", response_model=CheckpointOut,
             responses=documented(*QUERY, 403, 404))
 def get_checkpoint(namespace: NamespacePath, name: NamePath,
                    store: StoreDep,
-                   principal: PrincipalDep) -> dict:
+                   principal: PrincipalDep) -> JSONResponse:
     principal.require_namespace(namespace)
-    return checkpoint_to_json(store.get_checkpoint(namespace, name))
+    return JSONResponse(checkpoint_to_json(store.get_checkpoint(namespace, name)))
 
 
 @router.delete("/{namespace}/{name}", status_code=204,
