@@ -9,6 +9,9 @@
     │   ├── OffsetMismatch            caches whose layers do not sit where a publish
     │   │                             needs them (a checkpoint after generation, layers
     │   │                             at different offsets); carries the offsets
+    │   ├── MixedComputation          a checkpoint whose stored pages came from another
+    │   │                             computation than its state (they would not
+    │   │                             continue like either one); nothing is committed
     │   └── FormatMismatch            keys, values or page bytes that do not fit the
     │       │                         cache's page format (dtype, heads, head dim, length)
     │       └── UnpagedFormat         a page format the paged engine (pools, PagedKVCache,
@@ -75,6 +78,10 @@ class OffsetMismatch(InvalidRequest):
         super().__init__(message)
         self.offsets = offsets
         self.tokens = tokens
+
+
+class MixedComputation(InvalidRequest):
+    code = "mixed_computation"
 
 
 class PoolExhausted(EngineError):

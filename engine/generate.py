@@ -8,26 +8,54 @@ and published byte for byte (engine/restore.py). Publication goes through a
 WriteBehindPublisher when one is given (never blocking generation), else inline after
 generation. Rates are recorded per execution identity (engine/rates.py) and decide
 between restoring and recomputing.
+
+Models with non-paged layers (sliding windows, chunked attention, recurrent state) are
+served from checkpoints only: their state is valid at exactly one offset. For them the
+prompt is prefilled here up to its boundary (all but the last token, in generate_step's
+own chunks, so the computation is the one generate_step would do) and captured there,
+pages and attachments together from that one computation; then generate_step runs from
+the last token. The checkpoint is named by the prompt (PROMPT_CHECKPOINT_PREFIX + blake3
+of its tokens), so the same prompt replaces its own checkpoint. A checkpoint that would
+pair stored pages of another computation with this state is skipped (MixedComputation).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import blake3
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from engine.attention import installed
 from engine.cache import PagedKVCache
 from engine.engine_model import EngineModel
-from engine.errors import InvalidRequest
+from engine.errors import InvalidRequest, MixedComputation
 from engine.publish import DEFAULT_NAMESPACE, capture, upload
 from engine.rates import ExecutionKey, RateBook
 from engine.restore import RestoreRequest, empty_cache, restore
 
 DEFAULT_RATES = RateBook()
+PROMPT_CHECKPOINT_PREFIX = "prompt-"
+PREFILL_STEP_TOKENS = 2048  # generate_step's default prefill_step_size
+log = logging.getLogger(__name__)
+
+
+def prompt_checkpoint_name(tokens: Sequence[int]) -> str:
+    """The checkpoint name generate_with_store gives a prompt boundary."""
+    data = b"".join(int(t).to_bytes(4, "little") for t in tokens)
+    return PROMPT_CHECKPOINT_PREFIX + blake3.blake3(data).hexdigest()[:32]
+
+
+def _prefill(model, tokens: Sequence[int], cache) -> None:
+    """What generate_step does before its first step, for all of `tokens`: chunks of
+    PREFILL_STEP_TOKENS, each evaluated (the cache state with it)."""
+    for start in range(0, len(tokens), PREFILL_STEP_TOKENS):
+        model(mx.array(tokens[start : start + PREFILL_STEP_TOKENS])[None], cache=cache)
+        mx.eval([c.state for c in cache])
 
 
 @dataclass
@@ -94,7 +122,12 @@ def generate_with_store(engine_model: EngineModel, tokenizer, prompt: str | Sequ
         out: list[int] = []
         t1 = time.perf_counter()
         ttft = prefill_s = 0.0
-        for i, (token, _) in enumerate(generate_step(mx.array(tokens[n:]), model,
+        boundary, start, checkpoint_cap = len(tokens) - 1, n, None
+        if publish_prompt and not all(layer.paged for layer in identity.layers) and n < boundary:
+            _prefill(model, tokens[n:boundary], cache)
+            checkpoint_cap = capture(identity, tokens[:boundary], cache, attachments=True)
+            start = boundary
+        for i, (token, _) in enumerate(generate_step(mx.array(tokens[start:]), model,
                                                      prompt_cache=cache, max_tokens=max_new_tokens,
                                                      sampler=sampler)):
             if i == 0:
@@ -110,7 +143,9 @@ def generate_with_store(engine_model: EngineModel, tokenizer, prompt: str | Sequ
         rates.record_value(compute_key, "ttft_s", ttft)
 
         published = None
-        if publish_prompt:
+        if checkpoint_cap is not None:
+            published = _publish_checkpoint(store, checkpoint_cap, namespace)
+        elif publish_prompt and all(layer.paged for layer in identity.layers):
             cap = capture(identity, tokens, cache)
             if publisher is not None:
                 publisher.submit(cap, namespace=namespace)
@@ -123,3 +158,15 @@ def generate_with_store(engine_model: EngineModel, tokenizer, prompt: str | Sequ
     text = tokenizer.decode(out) if tokenizer is not None else None
     return GenerationReport(out, text, len(tokens), n, computed, restore_s, prefill_s, ttft,
                             decode_s, saved, decision.reason, published)
+
+
+def _publish_checkpoint(store, cap, namespace: str) -> dict | None:
+    """Upload a prompt-boundary checkpoint inline (its pages and attachments are one
+    computation's; write-behind would not change that, but a skipped one must be
+    known here). None when it would mix computations (logged)."""
+    try:
+        return upload(store, cap, namespace=namespace,
+                      checkpoint=prompt_checkpoint_name(cap.tokens)).__dict__
+    except MixedComputation as exc:
+        log.info("prompt checkpoint skipped: %s", exc)
+        return None

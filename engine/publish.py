@@ -36,7 +36,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from engine.attachments import encode_attachment, token_offset
 from engine.cache import PagedKVCache
-from engine.errors import FormatMismatch, InvalidRequest, OffsetMismatch
+from engine.errors import FormatMismatch, InvalidRequest, MixedComputation, OffsetMismatch
 from engine.formats import PageSpec, page_specs, pages_from_blocks
 from engine.pagecopy import PageCopies, direct_writes, host_readable, page_regions, page_targets
 from engine.stock import conversion_offset
@@ -244,6 +244,8 @@ def upload(store, cap: Capture, *, namespace: str = DEFAULT_NAMESPACE,
         keys.append(parent)
     stored = store.has_blocks(keys) if keys else []
     first_new = next((i for i, present in enumerate(stored) if not present), len(keys))
+    if checkpoint is not None and cap.attachments and first_new:
+        _check_same_computation(store, cap, keys[:first_new])
     records, payload = [], {}
     parent = keys[first_new - 1] if first_new else ROOT_KEY
     for i in range(first_new, len(keys)):
@@ -268,6 +270,22 @@ def upload(store, cap: Capture, *, namespace: str = DEFAULT_NAMESPACE,
                                            attachment_digests, metadata or {}), replace=True)
     return PublishResult(len(tokens), len(keys), first_new, len(sent), sum(len(payload[d]) for d in sent),
                          checkpoint)
+
+
+def _check_same_computation(store, cap: Capture, keys: list) -> None:
+    """MixedComputation unless the stored blocks a checkpoint would reuse hold exactly
+    this capture's pages. Blocks are deduplicated by chain key (tokens), not by bytes:
+    a prefix computed in another prefill chunking can differ in its last bits, and a
+    sliding ring or recurrent state computed over these pages would not continue from
+    those."""
+    for i, record in enumerate(store.get_blocks(keys)):
+        ours = tuple(page_digest(layer.page(i)) for layer in cap.layers)
+        if tuple(record.pages) != ours:
+            raise MixedComputation(
+                f"block {i} of this checkpoint is stored with pages of another computation "
+                "of the same tokens; its attachments would not continue from them: "
+                "restore that prefix first (its checkpoint), or publish under another "
+                "namespace")
 
 
 def _send(store, payload: dict, records: list[BlockRecord]) -> list:
