@@ -29,7 +29,6 @@ from tests.kvstore.factories import (
 )
 
 
-
 def _tokens_with_both_codecs(n: int = 13) -> list[int]:
     """n tokens (three full blocks and a partial tail) whose pages include an all-zero
     one (stored zstd) and a random one (stored raw). Page bytes follow from the chain
