@@ -300,7 +300,8 @@ def test_dispatch(monkeypatch):
     for backend, available in (("cuda", cuda_available()), ("metal", metal_available())):
         if available:
             assert select_impl(backend, 1, None, layout, 128, 128) == backend
-            assert select_impl(backend, KERNEL_MAX_QUERIES + 1, None, layout, 128, 128) == "partitioned"
+            # prefill chunks: the history dequantized once, one SDPA (kernels/prefill.py)
+            assert select_impl(backend, KERNEL_MAX_QUERIES + 1, None, layout, 128, 128) == "dequantized"
             assert select_impl(backend, 1, None, layout, 128, 64) == "partitioned"
         else:
             with pytest.raises(BackendUnavailable):
