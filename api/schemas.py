@@ -11,16 +11,14 @@ client that follows the document must not be refused (JsonInt). Bounds are check
 both branches; ints stay on pydantic's native path (a 4M-token lookup validates in
 about as long as with StrictInt).
 
-Checkpoint metadata is free-form JSON within stated limits (check_metadata): at most
-MAX_METADATA_DEPTH levels of nesting, MAX_METADATA_ENTRIES keys and list items in all,
-MAX_METADATA_NBYTES bytes of canonical JSON, finite numbers only. A record the service
-could not serve back is refused on the way in (400 invalid_input), never stored.
+Checkpoint metadata is free-form JSON within the limits kvstore holds every writer to
+(kvstore/records.py check_metadata: depth, keys and list items, key length, bytes,
+finite numbers). The Checkpoint the route builds refuses metadata past them (400
+invalid_input) before anything is stored.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from typing import Annotated, Any, Union
 
 from pydantic import (
@@ -35,9 +33,13 @@ from pydantic import (
     WithJsonSchema,
 )
 
-from kvstore.errors import InvalidInput
 from kvstore.format import MAX_LAYERS
-from kvstore.records import MAX_ATTACHMENTS, MAX_METADATA_NBYTES
+from kvstore.records import (
+    MAX_ATTACHMENTS,
+    MAX_METADATA_DEPTH,
+    MAX_METADATA_ENTRIES,
+    MAX_METADATA_NBYTES,
+)
 
 HEX64_PATTERN = r"^[0-9a-f]{64}$"
 NAMESPACE_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,63}$"
@@ -45,9 +47,6 @@ NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.\-:@+]{0,127}$"
 MAX_DIGESTS_PER_REQUEST = 1 << 20
 MAX_TOKENS_PER_REQUEST = 1 << 22
 MAX_BLOCK_TOKENS = 65536
-MAX_METADATA_DEPTH = 16         # nesting levels of objects and arrays
-MAX_METADATA_ENTRIES = 1024     # object keys plus array items, over the whole tree
-MAX_METADATA_KEY_CHARS = 256
 
 
 def _integral(value: float) -> int:
@@ -77,34 +76,6 @@ def json_number(ge: float | None = None, le: float | None = None):
 
 JsonInt = json_int()
 NonNegativeInt = json_int(ge=0)
-
-
-def check_metadata(metadata: dict) -> dict:
-    """Refuse (InvalidInput, a 400) metadata past the limits in the module docstring."""
-    entries = 0
-    stack = [(metadata, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, (dict, list)):
-            if depth > MAX_METADATA_DEPTH:
-                raise InvalidInput(f"checkpoint metadata nests deeper than {MAX_METADATA_DEPTH} levels")
-            entries += len(value)
-            if entries > MAX_METADATA_ENTRIES:
-                raise InvalidInput(f"checkpoint metadata holds more than {MAX_METADATA_ENTRIES} "
-                                   "keys and list items")
-            if isinstance(value, dict):
-                for key in value:
-                    if len(key) > MAX_METADATA_KEY_CHARS:
-                        raise InvalidInput(f"a checkpoint metadata key is longer than "
-                                           f"{MAX_METADATA_KEY_CHARS} characters")
-            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise InvalidInput("checkpoint metadata holds a non-finite number")
-    nbytes = len(json.dumps(metadata, sort_keys=True, separators=(",", ":")).encode())
-    if nbytes > MAX_METADATA_NBYTES:
-        raise InvalidInput(f"checkpoint metadata is {nbytes} bytes of JSON; the limit is "
-                           f"{MAX_METADATA_NBYTES}")
-    return metadata
 
 
 Hex64 = Annotated[str, StringConstraints(pattern=HEX64_PATTERN, min_length=64, max_length=64)]

@@ -19,14 +19,24 @@ Block record (value under its chain key in `blocks`), all integers big-endian:
 A checkpoint manifest is canonical JSON (sorted keys): format id, namespace, name,
 token ids (base64 of u32 little-endian), ordered chain keys, attachments (name ->
 page digest), user metadata and created time.
+
+Checkpoint metadata is free-form JSON within limits every writer is held to (the
+embedded Store, the TieredStore and the HTTP service alike; check_metadata): at most
+MAX_METADATA_DEPTH levels of nesting, MAX_METADATA_ENTRIES object keys and list items
+in all, keys of at most MAX_METADATA_KEY_CHARS characters, MAX_METADATA_NBYTES bytes
+of canonical JSON, finite numbers only. A Checkpoint built by a caller past them is
+refused (InvalidInput) before anything is stored, so a record that could not be
+served back is never written. Records decoded from storage are not re-held to them
+(Checkpoint.decode): a store written before the limits still serves what it holds.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import math
 import struct
-from dataclasses import dataclass, field, replace
+from dataclasses import InitVar, dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from kvstore.errors import InvalidInput
@@ -44,7 +54,48 @@ from kvstore.ids import (
 BLOCK_VERSION = 1
 _BLOCK_HEAD = struct.Struct(">B3x32s32sQQIIH")
 MAX_METADATA_NBYTES = 64 * 1024
+MAX_METADATA_DEPTH = 16         # nesting levels of objects and arrays, the top one included
+MAX_METADATA_ENTRIES = 1024     # object keys plus array items, over the whole tree
+MAX_METADATA_KEY_CHARS = 256
 MAX_ATTACHMENTS = 4096
+
+
+def check_metadata(metadata) -> dict:
+    """Refuse (InvalidInput) checkpoint metadata past the limits of the module docstring.
+    Iterative, and depth is checked before anything recurses (json.dumps of a few
+    thousand levels would raise RecursionError)."""
+    if not isinstance(metadata, Mapping):
+        raise InvalidInput(f"checkpoint metadata must be a JSON object, got {type(metadata).__name__}")
+    entries = 0
+    stack = [(metadata, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (Mapping, list, tuple)):
+            if depth > MAX_METADATA_DEPTH:
+                raise InvalidInput(f"checkpoint metadata nests deeper than {MAX_METADATA_DEPTH} levels")
+            entries += len(value)
+            if entries > MAX_METADATA_ENTRIES:
+                raise InvalidInput(f"checkpoint metadata holds more than {MAX_METADATA_ENTRIES} "
+                                   "keys and list items")
+            if isinstance(value, Mapping):
+                for key in value:
+                    if not isinstance(key, str):
+                        raise InvalidInput(f"checkpoint metadata keys are strings, got {key!r:.40}")
+                    if len(key) > MAX_METADATA_KEY_CHARS:
+                        raise InvalidInput(f"a checkpoint metadata key is longer than "
+                                           f"{MAX_METADATA_KEY_CHARS} characters")
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, Mapping) else value))
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise InvalidInput("checkpoint metadata holds a non-finite number")
+    try:
+        nbytes = len(json.dumps(metadata, sort_keys=True, separators=(",", ":"),
+                                allow_nan=False).encode())
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"checkpoint metadata must be JSON-serialisable: {exc}") from None
+    if nbytes > MAX_METADATA_NBYTES:
+        raise InvalidInput(f"checkpoint metadata is {nbytes} bytes of JSON; the limit is "
+                           f"{MAX_METADATA_NBYTES}")
+    return dict(metadata)
 
 
 @dataclass(frozen=True)
@@ -114,8 +165,12 @@ class Checkpoint:
     attachments: Mapping[str, PageDigest] = field(default_factory=dict)
     metadata: Mapping[str, Any] = field(default_factory=dict)
     created_ns: int = 0
+    # True only for a record decoded from storage (decode): it is served as stored, not
+    # re-held to the metadata limits. Not a field: dataclasses.replace() (as
+    # Store.create_checkpoint does) builds a new record, held to them again.
+    from_storage: InitVar[bool] = False
 
-    def __post_init__(self):
+    def __post_init__(self, from_storage: bool):
         check_name(self.name)
         check_namespace(self.namespace)
         if len(self.format_id) != 32:
@@ -131,12 +186,12 @@ class Checkpoint:
                 raise InvalidInput(f"bad attachment name {key!r}")
             atts[key] = PageDigest.coerce(value)
         object.__setattr__(self, "attachments", atts)
+        if not from_storage:
+            check_metadata(self.metadata)
         try:
             meta = json.loads(json.dumps(dict(self.metadata), sort_keys=True))
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             raise InvalidInput(f"checkpoint metadata must be JSON-serialisable: {exc}") from None
-        if len(json.dumps(meta)) > MAX_METADATA_NBYTES:
-            raise InvalidInput(f"checkpoint metadata exceeds {MAX_METADATA_NBYTES} bytes")
         object.__setattr__(self, "metadata", meta)
 
     @property
@@ -163,7 +218,7 @@ class Checkpoint:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Checkpoint":
+    def from_dict(cls, data: Mapping[str, Any], *, from_storage: bool = False) -> "Checkpoint":
         try:
             tokens = tokens_from_bytes(base64.b64decode(data["tokens_u32le_b64"], validate=True))
             return cls(
@@ -175,6 +230,7 @@ class Checkpoint:
                 attachments={k: PageDigest.parse(v) for k, v in data.get("attachments", {}).items()},
                 metadata=data.get("metadata", {}),
                 created_ns=int(data.get("created_ns", 0)),
+                from_storage=from_storage,
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, InvalidInput):
@@ -183,7 +239,8 @@ class Checkpoint:
 
     @classmethod
     def decode(cls, raw) -> "Checkpoint":
-        return cls.from_dict(json.loads(bytes(raw)))
+        """A stored manifest, as stored (not re-held to the metadata limits)."""
+        return cls.from_dict(json.loads(bytes(raw)), from_storage=True)
 
 
 def checkpoint_key(namespace: str, name: str) -> bytes:

@@ -2,10 +2,11 @@
 /v1/checkpoints/{namespace}/{name}; a token may only name its own namespace.
 
 Reads answer the stored records as JSON directly, not through the response model:
-the embedded Store (an engine on the server's host) may have written metadata past
-the limits this service sets on the way in (api/schemas.py check_metadata), and
-pydantic refuses to serialise nesting past 255 levels. One such record must not make
-the namespace's listing, or the admin's listing of every namespace, a 500."""
+a store written before kvstore held every writer to the metadata limits
+(kvstore/records.py check_metadata) may hold metadata past them, and pydantic refuses
+to serialise nesting past 255 levels. One such record must not make the namespace's
+listing, or the admin's listing of every namespace, a 500. Creation is held to the
+limits by the Checkpoint the route builds (400, nothing stored)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from api.schemas import (
     CheckpointCreate,
     CheckpointList,
     CheckpointOut,
-    check_metadata,
 )
 from kvstore.wire import checkpoint_from_json, checkpoint_to_json
 
@@ -42,7 +42,6 @@ def create_checkpoint(body: CheckpointCreate, store: StoreDep,
     belongs to another namespace: the two read alike). Metadata past its limits is a 400
     and nothing is stored."""
     principal.require_namespace(body.namespace)
-    check_metadata(body.metadata)
     record = checkpoint_from_json(body.model_dump(exclude={"replace"}))
     return checkpoint_to_json(store.create_checkpoint(record, replace=body.replace))
 

@@ -10,6 +10,7 @@ Tokens as in tests/api/conftest.py: USER_A -> team-a, USER_B -> team-b, ADMIN ->
 
 from __future__ import annotations
 
+import json
 import statistics
 import struct
 import time
@@ -98,18 +99,47 @@ def test_poisoned_checkpoint_metadata_is_refused_and_nothing_stored(tenants):
     metric("poisoned_metadata", cases=len(POISON), refused_400=refused, stored=0)
 
 
-def test_a_deep_record_written_by_the_embedded_store_does_not_break_the_listings(tenants):
-    """The embedded Store (an engine on the server's host) is not held to the service's
-    limits; what it wrote must still be served, never a 500 for the whole listing."""
+def test_the_embedded_store_refuses_poisoned_metadata_and_stores_nothing(tenants):
+    """The embedded Store is held to the same limits as the service (kvstore/records.py
+    check_metadata): InvalidInput, nothing stored, whichever way the record is built."""
+    store, clients, _ = tenants
+    body = _checkpoint(store, "team-a", "poisoned", {})
+    cases = {**POISON, "5000 levels deep": _nested(5000), "NaN": {"x": float("nan")},
+             "infinity in a list": {"x": [1.0, float("inf")]}}
+    for label, metadata in cases.items():
+        with pytest.raises(InvalidInput):
+            store.create_checkpoint(checkpoint_from_json({**body, "metadata": metadata}))
+        # a record built within the limits and given bad metadata afterwards is
+        # re-validated by create_checkpoint (dataclasses.replace)
+        fine = checkpoint_from_json(body)
+        object.__setattr__(fine, "metadata", metadata)
+        with pytest.raises(InvalidInput):
+            store.create_checkpoint(fine)
+        assert [c.name for c in store.list_checkpoints("team-a")] == [], label
+    assert clients["a"].get("/v1/checkpoints/team-a/poisoned").status_code == 404
+    ok = {"nested": _nested(15), "tags": ["x"] * 100, "n": 1.5}
+    assert store.create_checkpoint(checkpoint_from_json({**body, "metadata": ok})).metadata == ok
+
+
+def test_a_deep_record_already_stored_does_not_break_the_listings(tenants):
+    """A store written before the limits held every writer may hold a deep record; it is
+    served as stored, never a 500 for the whole listing. Planted as raw bytes, as such a
+    store holds it."""
     store, clients, _ = tenants
     a, admin = clients["a"], clients["admin"]
-    body = _checkpoint(store, "team-a", "deep", _nested(300))
-    store.create_checkpoint(checkpoint_from_json(body))
+    body = _checkpoint(store, "team-a", "deep", {})
+    record = checkpoint_from_json(body)
+    raw = json.loads(record.encode())
+    raw["metadata"] = _nested(300)
+    store.lmdb.write(lambda txn, dbs: txn.put(record.db_key, json.dumps(raw).encode(),
+                                              db=dbs["checkpoints"]),
+                     what="planting a deep checkpoint record")
     for client, path in ((a, "/v1/checkpoints/team-a/deep"), (a, "/v1/checkpoints"),
                          (admin, "/v1/checkpoints")):
         r = client.get(path)
         assert r.status_code == 200, (path, r.text[:200])
     assert a.get("/v1/checkpoints/team-a/deep").json()["metadata"] == _nested(300)
+    assert store.get_checkpoint("team-a", "deep").metadata == _nested(300)
 
 
 # -- 2. cross-tenant oracles --------------------------------------------------------------------
