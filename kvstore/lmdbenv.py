@@ -4,10 +4,12 @@ Named sub-databases are declared here and nowhere else (DATABASES). Keys are fix
 width where they can be (32-byte digests, big-endian integers) and always < 511 bytes.
 
 Opening never re-initialises. Only an environment in which nothing was ever committed
-gets its databases, created in one transaction with the store's meta record. An
-existing environment that lacks a declared database (other than ADDED_LATER ones), or
-has them all but no meta record, is refused with StoreCorrupt before anything is
-written (see LmdbEnv._open_or_create and docs/reliability.md).
+gets its databases, created in one transaction with the store's meta record (and one
+whose first transaction created every database, all still empty, and nothing more:
+older code's crash before its meta record). An existing environment that lacks a
+declared database (other than ADDED_LATER ones), or has them all but no meta record
+and holds anything, is refused with StoreCorrupt before anything is written (see
+LmdbEnv._open_or_create and docs/reliability.md).
 
 Every write goes through LmdbEnv.write(fn): fn(txn, dbs) runs in one write
 transaction; MapFullError aborts it, the map grows (doubling, up to max_map_nbytes)
@@ -216,6 +218,10 @@ class LmdbEnv:
                     in one transaction (read-write only);
           a store   every declared database is listed in the main database and `meta`
                     holds the schema_version record;
+          unborn    every declared database is listed and empty, no meta record, and
+                    LMDB's last transaction is the first (an older code's crash between
+                    creating the databases and writing meta): it holds nothing and is
+                    initialised (read-write; read-only: NotFound), see _unborn;
           damaged   anything else: StoreCorrupt names what is missing, and nothing is
                     written. Databases are never created in an existing environment
                     (a flipped bit in the main database's root would otherwise make a
@@ -256,12 +262,43 @@ class LmdbEnv:
                 dbs = {name: env.open_db(name.encode(), txn=txn, create=name in missing)
                        for name in DATABASES}
         with env.begin() as txn:
+            no_meta = txn.get(META_RECORD, db=dbs["meta"]) is None
+            unborn = no_meta and not missing and self._unborn(txn, dbs)
+        if unborn:
+            return self._initialise_unborn(env, dbs)
+        with env.begin() as txn:
             if txn.get(META_RECORD, db=dbs["meta"]) is None:
                 raise StoreCorrupt(
                     f"store at {self.path} is damaged: its sub-databases are listed but the "
                     f"meta record ({META_RECORD.decode()}) is missing, so LMDB's main database "
                     "points at an old or foreign root; nothing was written. See "
                     "docs/reliability.md ('A store refused as damaged')")
+        return dbs
+
+    @staticmethod
+    def _unborn(txn, dbs, *, write: bool = False) -> bool:
+        """The crash window of stores made before the databases and the meta record were
+        created in one transaction: the databases were committed (LMDB's transaction 1)
+        and the process died before the meta record (transaction 2). Such an environment
+        holds nothing. Every declared database must be listed and empty AND the
+        environment's last transaction must be that first one: an environment whose
+        main-database root was damaged (a flipped bit in the meta page) can point at an
+        old root with empty databases too, but its last transaction id is the live one
+        (> 1), and it is refused as damaged."""
+        last_txnid = txn.id() - 1 if write else txn.id()  # a write txn's id is the next one
+        return last_txnid == 1 and all(txn.stat(db)["entries"] == 0 for db in dbs.values())
+
+    def _initialise_unborn(self, env, dbs) -> dict:
+        if self.readonly:
+            raise NotFound(f"no store at {self.path}: its databases were created but nothing "
+                           "was written to them (a crash while the store was being made); a "
+                           "read-write open initialises it")
+        with env.begin(write=True) as txn:
+            if txn.get(META_RECORD, db=dbs["meta"]) is None:  # else another process did
+                if not self._unborn(txn, dbs, write=True):
+                    return self._open_or_create(env)  # changed under us: classify again
+                if self._init is not None:
+                    self._init(txn, dbs)
         return dbs
 
     def _listed_databases(self, env, txn=None) -> set[str]:

@@ -120,18 +120,51 @@ def test_an_existing_environment_lacking_a_sub_database_is_never_given_one(tmp_p
     assert _files(path) == before
 
 
-def test_sub_databases_without_the_meta_record_are_refused(tmp_path):
-    """What an old main-database root looks like: every sub-database, no meta record."""
+def _databases_without_meta(path: Path, *, data: bool = False, later_txn: bool = False) -> None:
+    """Every declared sub-database in LMDB's first transaction, no meta record: what the
+    code before 2b4d4ad left when it died between creating the databases and writing
+    meta. data=True puts one page entry in that same transaction; later_txn=True
+    commits a second, empty-handed transaction (an environment past its first one)."""
     import lmdb
 
     from kvstore.lmdbenv import DATABASES
 
-    path = tmp_path / "store"
     env = lmdb.open(str(path), max_dbs=16)
     with env.begin(write=True) as txn:
-        for name in DATABASES:
-            env.open_db(name.encode(), txn=txn, create=True)
+        dbs = {name: env.open_db(name.encode(), txn=txn, create=True) for name in DATABASES}
+        if data:
+            txn.put(bytes(32), b"a page value", db=dbs["pages"])
+    if later_txn:
+        with env.begin(write=True) as txn:
+            txn.put(b"k", b"v", db=dbs["lru"])
+        with env.begin(write=True) as txn:
+            txn.delete(b"k", db=dbs["lru"])
     env.close()
+
+
+def test_empty_sub_databases_without_the_meta_record_are_initialised(tmp_path):
+    """The old crash window (databases committed, meta not yet): it holds nothing, so a
+    read-write open initialises it; a read-only open says there is no store yet."""
+    from kvstore.errors import NotFound
+
+    path = tmp_path / "store"
+    _databases_without_meta(path)
+    before = _files(path)
+    with pytest.raises(NotFound, match="nothing was written"):
+        Store(path, readonly=True)
+    assert _files(path) == before
+    with make_store(path) as store:
+        save_prefix(store, IDENTITY, "default", TOKENS)
+    with Store(path, readonly=True) as store:
+        assert restore_prefix(store, IDENTITY, "default", TOKENS)[0] == len(TOKENS)
+
+
+@pytest.mark.parametrize("how", ["data", "later_txn"])
+def test_sub_databases_without_the_meta_record_holding_anything_are_refused(tmp_path, how):
+    """Data and no meta record, or empty databases in an environment past its first
+    transaction (an old main-database root reached through a damaged meta page): damage."""
+    path = tmp_path / "store"
+    _databases_without_meta(path, **{how: True})
     before = _files(path)
     for readonly in (True, False):
         with pytest.raises(StoreCorrupt, match="meta record"):
