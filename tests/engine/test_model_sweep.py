@@ -55,9 +55,7 @@ UNSERVED: dict[str, str] = {
     "deepseek_v41": "builds its own LayerCache class (mlx_lm.models.deepseek_v41), which the "
                     "engine refuses by name rather than guess how to store",
     "prism_hadamard_qwen35": "loads only 2-bit Hadamard weight packs; no random-weight model",
-    "kimi_k3": "no tiny config of ours builds it yet (expert routing asks for 16 of 4 experts)",
-    "llama4": "no tiny config of ours builds it yet (its MoE layer list)",
-    "muse_spark": "no tiny config of ours builds it yet (its layer pattern)",
+    "muse_spark": "its forward runs a Metal kernel (mlx_lm.kernels); no CPU path to test on",
     "phi3small": "aborts the process on CPU (heap corruption inside MLX during mlx-lm's own "
                  "forward, after the paged check ran); not run, so not checked either",
 }
@@ -182,9 +180,10 @@ def test_every_type_is_swept_or_listed():
 @pytest.mark.parametrize("model_type", sorted(set(UNSERVED) - CRASHES))
 def test_unserved_types_still_fail(model_type, store):
     """A listed type that starts working fails here, so the list stays true."""
-    with pytest.raises((UnsupportedModel, Exception)) as raised:
+    # olmo's module exits the interpreter (SystemExit) when ai2-olmo is missing
+    with pytest.raises((UnsupportedModel, Exception, SystemExit)) as raised:
         sweep_one(model_type, store)
-    assert not isinstance(raised.value, AssertionError), raised.value
+    assert not isinstance(raised.value, AssertionError), raised.value  # a wrong result
 
 
 def main(argv) -> None:
