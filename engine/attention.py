@@ -73,7 +73,7 @@ def attend(cache: PagedKVCache, queries, *, scale: float, mask=None, sinks=None)
         kernel, _checking.calls = _kernel_attention, _checking.calls + 1
     return kernel(queries, cache.pool.planes, cache.block_table(), [cache.offset],
                   cache.spec.layout, scale=scale, mask=mask, sinks=sinks,
-                  impl=cache.attention_impl, fresh=cache.fresh_tokens(queries.shape[2]))
+                  impl=cache.attention_impl, fresh=cache.take_fresh_tokens(queries.shape[2]))
 
 
 def _router(original):

@@ -76,8 +76,10 @@ class PagedKVCache:
         self.dtype: mx.Dtype | None = None  # the model's K/V dtype, seen at the first write
         self._blocks: list[int] = []  # host-side block table
         self._table: mx.array | None = None  # device copy, rebuilt when the table changes
-        # the last update's keys and values as given (unrotated, full precision): a prefill
-        # chunk's attention reads its own tokens from them (kernels/prefill.py)
+        # the last update's keys and values as given (unrotated, full precision) while the
+        # router is to attend: a prefill chunk's attention reads its own tokens from them
+        # (kernels/prefill.py) and takes them, so a chunk's K/V live only from this layer's
+        # update to its attention, as they would without the engine
         self._fresh: tuple[mx.array, mx.array, int] | None = None  # (keys, values, offset after)
         # A dropped cache gives its blocks back, like a dropped KVCache frees its arrays.
         self._finalizer = weakref.finalize(self, _release, pool, self._blocks)
@@ -94,9 +96,10 @@ class PagedKVCache:
         self._write_encoded(encoded, start, stop)
         self.offset = stop
         self.dtype = keys.dtype
-        self._fresh = (keys, values, stop)
         if self.routed_by and all(name in ROUTED_MODULES for name in self.routed_by):
+            self._fresh = (keys, values, stop)
             return NOT_FETCHED, NOT_FETCHED
+        self._fresh = None  # the model attends over the fetched history itself
         return self.keys_and_values()
 
     def keys_and_values(self, dtype: mx.Dtype | None = None):
@@ -199,10 +202,11 @@ class PagedKVCache:
     def block_ids(self) -> tuple[int, ...]:
         return tuple(self._blocks)
 
-    def fresh_tokens(self, num_queries: int) -> tuple[mx.array, mx.array] | None:
-        """The keys and values [1, Hkv, L, D] of the last update when it wrote exactly the
-        num_queries newest tokens (a prefill chunk attending now), else None."""
-        fresh = self._fresh
+    def take_fresh_tokens(self, num_queries: int) -> tuple[mx.array, mx.array] | None:
+        """The keys and values [1, Hkv, L, D] of the last routed update when it wrote
+        exactly the num_queries newest tokens (a prefill chunk attending now), else None.
+        Taken: a second call returns None."""
+        fresh, self._fresh = self._fresh, None
         if fresh is None or fresh[0].shape[2] != num_queries or fresh[2] != self.offset:
             return None
         return fresh[0], fresh[1]

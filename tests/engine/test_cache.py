@@ -315,3 +315,26 @@ def test_chunked_writes_equal_token_by_token_writes(name):
         single.update_and_fetch(keys[:, :, t:t + 1], values[:, :, t:t + 1])
     for a, b in zip(chunked.state, single.state, strict=True):
         assert a.shape == b.shape and mx.array_equal(a, b).item()
+
+
+def test_fresh_tokens_are_kept_only_for_the_router_and_taken_once(monkeypatch):
+    """A chunk's own K/V stay referenced only from a routed update to its attention (the
+    prefill path takes them once); unrouted updates and trims keep nothing."""
+    from engine.cache import ROUTED_MODULES
+
+    spec = PageSpec(FORMATS["native-bf16"], 2, 64, 64, 16, 64, None)
+    cache = PagedKVCache(BlockPool(spec, 4))
+    keys = mx.zeros((1, 2, 12, 64), dtype=mx.bfloat16)
+    cache.update_and_fetch(keys, keys)
+    assert cache.take_fresh_tokens(12) is None  # the model attended over the fetched history
+    monkeypatch.setitem(ROUTED_MODULES, "routed", 1)
+    cache.routed_by = ("routed",)
+    cache.update_and_fetch(keys, keys + 1)
+    assert cache.take_fresh_tokens(11) is None  # not the chunk that is attending
+    cache.update_and_fetch(keys, keys + 1)
+    fresh_keys, fresh_values = cache.take_fresh_tokens(12)
+    assert fresh_keys is keys and mx.array_equal(fresh_values, keys + 1).item()
+    assert cache.take_fresh_tokens(12) is None
+    cache.update_and_fetch(keys, keys)
+    cache.trim(3)
+    assert cache.take_fresh_tokens(12) is None

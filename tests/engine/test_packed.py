@@ -30,6 +30,7 @@ import pytest
 import engine
 from engine import BlockPool, KVPolicy, PagedKVCache, PageSpec, make_cache
 from engine.attention import attend
+from engine.cache import ROUTED_MODULES
 from engine.formats import FORMATS
 from tests.engine.factories import prompt_tokens, tiny_model
 
@@ -129,23 +130,27 @@ def test_packed_generation_through_a_model(name, paged_calls):
 
 @pytest.mark.parametrize("name", sorted(OUTPUT_TOLERANCE))
 @pytest.mark.parametrize("rotate", [True, False])
-def test_prefill_and_decode_over_the_same_pages_agree(name, rotate):
+def test_prefill_and_decode_over_the_same_pages_agree(monkeypatch, name, rotate):
     """A prefill chunk attended the dequantized way (history dequantized once, the chunk's
-    own K/V in full precision) and the decode path's reading of the same pages (every token
-    quantized) are each within the format's tolerance of exact attention, and of each other."""
+    own K/V in full precision, handed over by the routed update) and the decode path's
+    reading of the same pages (every token quantized) are each within the format's
+    tolerance of exact attention, and of each other."""
     queries, keys, values = outlier_data(3)
     chunk = 16
     queries = mx.concatenate([queries] * (chunk // queries.shape[2]), axis=2)
     spec = PageSpec(FORMATS[name], HEADS, DIM, DIM, 16, 64, 0 if rotate else None)
     cache = PagedKVCache(BlockPool(spec, 4), attention_impl="dequantized")
+    monkeypatch.setitem(ROUTED_MODULES, "a routed model module", 1)  # as engine.install does
+    cache.routed_by = ("a routed model module",)
     cache.update_and_fetch(keys[:, :, :-chunk], values[:, :, :-chunk])
     cache.update_and_fetch(keys[:, :, -chunk:], values[:, :, -chunk:])
-    prefill = attend(cache, queries, scale=SCALE, mask="causal")
+    prefill = attend(cache, queries, scale=SCALE, mask="causal")  # takes the fresh K/V
+    from_pages = attend(cache, queries, scale=SCALE, mask="causal")  # nothing left to take
     cache.attention_impl = "reference"
     decode = attend(cache, queries, scale=SCALE, mask="causal")
     exact = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=SCALE, mask="causal")
     tolerance = OUTPUT_TOLERANCE[name][0 if rotate else 1]
-    assert cache.fresh_tokens(chunk) is not None  # the prefill path had the chunk's own K/V
+    assert relative(prefill, from_pages) > 0  # the chunk's own tokens were exact in prefill
     for got in (prefill, decode):
         assert relative(got, exact) < tolerance, (relative(prefill, exact), relative(decode, exact))
     assert 0 < relative(prefill, decode) < tolerance
