@@ -1,0 +1,442 @@
+"""Segment files: page bodies in preallocated, append-only files beside the LMDB index
+(issue 19 item 1; key-value separation as in WiscKey, Badger's value log, restic's
+pack files). Not yet used by Store: the store still keeps page bodies as LMDB values
+(schema version 1). This module is the layer Store switches to at schema version 2.
+
+Nouns:
+  segment     <dir>/<id as 8 hex digits>.seg, preallocated (posix_fallocate) to
+              segment_nbytes (or one record's span, when a record is larger), so a full
+              disk is met when a segment is made, never in the middle of a record.
+  record      one page at a RECORD_ALIGN (4 KiB) aligned offset:
+                offset size field
+                0      4    magic b"KVS1"
+                4      4    reserved, zero
+                8      32   digest: blake3 of the raw page (the page's name)
+                40     48   the page header of kvstore/pages.py (codec, raw_nbytes,
+                            stored_nbytes, xxh3-128 of the stored bytes, digest prefix)
+                88     32   reserved, zero
+                120    8    xxh3-64 of bytes [0, 120): a header that is not a record's
+                            (zeros, a punched hole, stale bytes) or that was damaged is
+                            told apart from one that is
+                128    ...  stored bytes (64-byte aligned: viewable as any dtype)
+              then zero padding to the next 4 KiB boundary (the record's span).
+  location    where the index finds a record: (segment, offset, length, flags), packed
+              as LOCATION (24 bytes, big-endian); length = RECORD_HEADER_NBYTES +
+              stored_nbytes; flags holds the codec.
+  tail        the end of the bytes of a segment that the index may name. The writer
+              keeps it (the index commits it with the locations it makes reachable):
+              bytes past it are leftovers of a crash, unreachable, and overwritten.
+
+Write order (the caller's part is the index transaction):
+  append()    os.pwritev from the caller's buffers (header, stored bytes, padding): no
+              join copy; records are not yet durable;
+  sync()      fdatasync of every segment written since the last sync; a failure is
+              fatal for that save (StoreIOError), never retried into a success;
+  then the caller commits the index transaction that makes the locations reachable.
+A crash before that commit leaves only unreachable bytes past the committed tail.
+
+Reads: view() is a zero-copy memoryview of a read-only mmap of the segment;
+verify_record() checks the header checksum, the digest, the lengths and the xxh3-128
+of the stored bytes (not blake3: check --read-data does that).
+
+Space: punch() frees one dead record's span (fallocate PUNCH_HOLE | KEEP_SIZE); the
+caller does so only after a grace period, since another process may still read it
+(GC's plan -> execute). A mostly-dead segment is compacted by relocate() (live records
+appended elsewhere; the caller rebinds their locations, then removes the segment after
+the grace period). scan() walks a segment's records for check: records no index entry
+names are orphans, and entries past a segment's end are reported by the caller.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import re
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import xxhash
+
+from kvstore.errors import StoreFull, StoreIOError
+from kvstore.pages import HEADER_NBYTES as PAGE_HEADER_NBYTES
+from kvstore.pages import PageHeader
+
+RECORD_MAGIC = b"KVS1"
+RECORD_ALIGN = 4096
+RECORD_HEADER_NBYTES = 128
+_PREFIX = struct.Struct(">4s4s32s")  # magic, reserved, digest
+_CHECKED_NBYTES = 120
+LOCATION = struct.Struct(">IIQQ")  # segment, flags, offset, length
+DEFAULT_SEGMENT_NBYTES = 1 << 30
+SEGMENT_NAME = re.compile(r"^([0-9a-f]{8})\.seg$")
+_ZEROS = bytes(RECORD_ALIGN)
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+assert _PREFIX.size + PAGE_HEADER_NBYTES == 88
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where one record lies; `length` is header plus stored bytes (no padding)."""
+
+    segment: int
+    offset: int
+    length: int
+    flags: int = 0
+
+    def pack(self) -> bytes:
+        return LOCATION.pack(self.segment, self.flags, self.offset, self.length)
+
+    @classmethod
+    def unpack(cls, value) -> "Location":
+        if len(value) != LOCATION.size:
+            raise ValueError(f"a location is {LOCATION.size} bytes, not {len(value)}")
+        segment, flags, offset, length = LOCATION.unpack(bytes(value))
+        return cls(segment, offset, length, flags)
+
+    @property
+    def span_nbytes(self) -> int:
+        """Bytes the record occupies in its segment, padding included."""
+        return align_up(self.length)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.span_nbytes
+
+
+def align_up(nbytes: int) -> int:
+    return (nbytes + RECORD_ALIGN - 1) // RECORD_ALIGN * RECORD_ALIGN
+
+
+def record_header(digest: bytes, page_header: bytes) -> bytes:
+    """The 128-byte record header for a page (page_header: pages.encode_page's)."""
+    assert len(digest) == 32 and len(page_header) == PAGE_HEADER_NBYTES
+    head = _PREFIX.pack(RECORD_MAGIC, bytes(4), bytes(digest)) + bytes(page_header) + bytes(32)
+    return head + xxhash.xxh3_64_digest(head)
+
+
+def parse_record_header(view) -> tuple[bytes, PageHeader]:
+    """(digest, page header) of the record whose header starts `view`; ValueError
+    when these bytes are not an intact record header."""
+    if len(view) < RECORD_HEADER_NBYTES:
+        raise ValueError(f"{len(view)} bytes cannot hold a record header")
+    head = bytes(view[:RECORD_HEADER_NBYTES])
+    if head[:4] != RECORD_MAGIC:
+        raise ValueError(f"bad record magic {head[:4]!r}")
+    if xxhash.xxh3_64_digest(head[:_CHECKED_NBYTES]) != head[_CHECKED_NBYTES:]:
+        raise ValueError("the record header's checksum does not match (damaged header)")
+    if any(head[4:8]) or any(head[88:120]):
+        raise ValueError("reserved record header bytes are not zero")
+    page = PageHeader.unpack(head[40:88])
+    return head[8:40], page
+
+
+def verify_record(view, digest: bytes, location: Location | None = None
+                  ) -> tuple[PageHeader, memoryview]:
+    """view: the record's bytes (view()). Returns (page header, stored bytes view) or
+    raises ValueError naming the damage: header checksum, digest, lengths, xxh3-128."""
+    named, header = parse_record_header(view)
+    if named != bytes(digest):
+        raise ValueError(f"the record was written for page {named.hex()[:16]}..., not for "
+                         "this one (misplaced or swapped)")
+    length = RECORD_HEADER_NBYTES + header.stored_nbytes
+    if location is not None and location.length != length:
+        raise ValueError(f"the index says {location.length} bytes, the record header "
+                         f"{length}")
+    body = memoryview(view)[RECORD_HEADER_NBYTES:length]
+    if len(body) != header.stored_nbytes:
+        raise ValueError(f"stored length {len(body)} != header's {header.stored_nbytes} "
+                         "(the record runs past the segment's end)")
+    if xxhash.xxh3_128_digest(body) != header.xxh3:
+        raise ValueError("xxh3-128 of the stored bytes does not match the header")
+    return header, body
+
+
+@dataclass(frozen=True)
+class PendingRecord:
+    """One page to append: its name, its encoded page header and the stored bytes (any
+    buffer; written from where it lies)."""
+
+    digest: bytes
+    page_header: bytes
+    stored: object
+
+
+@dataclass(frozen=True)
+class ScannedRecord:
+    offset: int
+    length: int          # header + stored bytes, from the header (0 when unreadable)
+    digest: bytes | None
+    problem: str | None  # None: the record verifies
+
+
+class SegmentFiles:
+    """The segment files of one store directory, for this process. append/sync are for
+    one writer at a time (the caller serialises saves); views are thread-safe."""
+
+    def __init__(self, directory: Path, segment_nbytes: int = DEFAULT_SEGMENT_NBYTES, *,
+                 readonly: bool = False):
+        if segment_nbytes < RECORD_ALIGN or segment_nbytes % RECORD_ALIGN:
+            raise ValueError(f"segment_nbytes must be a positive multiple of {RECORD_ALIGN}")
+        self.directory = Path(directory)
+        self.segment_nbytes = segment_nbytes
+        self.readonly = readonly
+        self._lock = threading.Lock()
+        self._maps: dict[int, mmap.mmap] = {}
+        self._write_fds: dict[int, int] = {}
+        self._unsynced: set[int] = set()
+        self._current: int | None = None  # segment appended to, and its tail
+        self._tail = 0
+        if not readonly:
+            self.directory.mkdir(parents=True, exist_ok=True)
+
+    # -- naming ----------------------------------------------------------------------
+    def path(self, segment: int) -> Path:
+        return self.directory / f"{segment:08x}.seg"
+
+    def segments(self) -> list[int]:
+        if not self.directory.is_dir():
+            return []
+        out = []
+        for entry in os.listdir(self.directory):
+            m = SEGMENT_NAME.match(entry)
+            if m:
+                out.append(int(m.group(1), 16))
+        return sorted(out)
+
+    def file_nbytes(self, segment: int) -> int:
+        try:
+            return os.stat(self.path(segment)).st_size
+        except FileNotFoundError:
+            return 0
+
+    # -- writing ---------------------------------------------------------------------
+    def resume(self, segment: int, tail: int) -> None:
+        """Append to `segment` from `tail` (the committed tail the index holds): bytes
+        past it are unreachable leftovers and are overwritten."""
+        if tail % RECORD_ALIGN:
+            raise ValueError(f"tail {tail} is not {RECORD_ALIGN}-aligned")
+        self._current, self._tail = segment, tail
+
+    @property
+    def tail(self) -> tuple[int, int] | None:
+        """(segment, tail) that the next index commit records, or None before any write."""
+        return None if self._current is None else (self._current, self._tail)
+
+    def append(self, records: Sequence[PendingRecord]) -> list[Location]:
+        """Write records (not yet durable: sync() next). Opens a new preallocated segment
+        when the current one cannot hold the next record; StoreFull when the disk cannot
+        hold a new segment (nothing of that segment stays behind)."""
+        assert not self.readonly, "append on a read-only SegmentFiles"
+        out = []
+        for rec in records:
+            stored_nbytes = len(memoryview(rec.stored).cast("B"))
+            length = RECORD_HEADER_NBYTES + stored_nbytes
+            span = align_up(length)
+            segment, offset = self._reserve(span)
+            head = record_header(rec.digest, rec.page_header)
+            parts = [head, rec.stored]
+            if span > length:
+                parts.append(_ZEROS[: span - length])
+            self._pwritev_all(segment, parts, offset, span)
+            codec = PageHeader.unpack(rec.page_header).codec
+            out.append(Location(segment, offset, length, codec))
+        return out
+
+    def sync(self) -> None:
+        """fdatasync every segment written since the last sync. A failure is fatal for
+        the save that wrote them: StoreIOError, and the caller commits nothing."""
+        for segment in sorted(self._unsynced):
+            try:
+                os.fdatasync(self._write_fds[segment])
+            except OSError as exc:
+                raise StoreIOError(f"fdatasync of segment {segment:08x} failed ({exc}); the "
+                                   "pages were not stored") from None
+        self._unsynced.clear()
+
+    def _reserve(self, span: int) -> tuple[int, int]:
+        if self._current is not None:
+            size = self.file_nbytes(self._current)
+            if self._tail + span <= size:
+                offset = self._tail
+                self._tail += span
+                self._ensure_fd(self._current)
+                return self._current, offset
+        segment = (max(self.segments(), default=-1)) + 1
+        self._create(segment, max(self.segment_nbytes, span))
+        self._current, self._tail = segment, span
+        return segment, 0
+
+    def _create(self, segment: int, nbytes: int) -> None:
+        path = self.path(segment)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+            os.fsync(fd)
+            dir_fd = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as exc:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreFull(f"no room for a new {nbytes}-byte segment: the disk is full "
+                                f"({exc}); nothing was stored. Run `kvstore gc` / `kvstore "
+                                "evict`, or free space") from None
+            raise StoreIOError(f"could not create segment {segment:08x}: {exc}") from None
+        self._write_fds[segment] = fd
+
+    def _ensure_fd(self, segment: int) -> int:
+        fd = self._write_fds.get(segment)
+        if fd is None:
+            fd = os.open(self.path(segment), os.O_RDWR | os.O_CLOEXEC)
+            self._write_fds[segment] = fd
+        return fd
+
+    def _pwritev_all(self, segment: int, parts: list, offset: int, total: int) -> None:
+        fd = self._ensure_fd(segment)
+        views = [memoryview(p).cast("B") for p in parts]
+        done = 0
+        while done < total:
+            try:
+                n = os.pwritev(fd, views, offset + done)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise StoreFull(f"writing segment {segment:08x} failed: the disk is "
+                                    f"full ({exc}); nothing was committed") from None
+                raise StoreIOError(f"writing segment {segment:08x} failed ({exc}); nothing "
+                                   "was committed") from None
+            done += n
+            while views and n >= views[0].nbytes:  # drop what was written, keep the rest
+                n -= views[0].nbytes
+                views.pop(0)
+            if views and n:
+                views[0] = views[0][n:]
+        self._unsynced.add(segment)
+
+    # -- reading -----------------------------------------------------------------------
+    def view(self, location: Location) -> memoryview:
+        """Zero-copy view of a record's bytes (header and stored bytes). A location past
+        the segment's end gives a shorter view (verify_record refuses it)."""
+        m = self._map(location.segment)
+        if m is None:
+            return memoryview(b"")
+        end = min(location.offset + location.length, len(m))
+        return memoryview(m)[min(location.offset, end):end]
+
+    def read_verified(self, location: Location, digest: bytes) -> tuple[PageHeader, memoryview]:
+        return verify_record(self.view(location), digest, location)
+
+    def _map(self, segment: int) -> mmap.mmap | None:
+        with self._lock:
+            m = self._maps.get(segment)
+            if m is None:
+                try:
+                    with open(self.path(segment), "rb") as f:
+                        if os.fstat(f.fileno()).st_size == 0:
+                            return None
+                        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                except FileNotFoundError:
+                    return None
+                self._maps[segment] = m
+            return m
+
+    def scan(self, segment: int, tail: int | None = None) -> Iterator[ScannedRecord]:
+        """Every record of a segment up to tail (the file's end by default), in offset
+        order: at each 4 KiB boundary an intact header starts a record (its span is
+        skipped); anything else (zeros, a punched hole, a damaged header) is skipped
+        one block at a time. A record whose header is intact but whose body fails is
+        reported with its problem."""
+        m = self._map(segment)
+        if m is None:
+            return
+        end = len(m) if tail is None else min(tail, len(m))
+        offset = 0
+        while offset + RECORD_HEADER_NBYTES <= end:
+            head = memoryview(m)[offset:offset + RECORD_HEADER_NBYTES]
+            try:
+                digest, page = parse_record_header(head)
+            except ValueError:
+                offset += RECORD_ALIGN
+                continue
+            length = RECORD_HEADER_NBYTES + page.stored_nbytes
+            try:
+                verify_record(memoryview(m)[offset:min(offset + length, len(m))], digest)
+                problem = None
+            except ValueError as exc:
+                problem = str(exc)
+            yield ScannedRecord(offset, length, digest, problem)
+            offset += align_up(length)
+
+    # -- space -------------------------------------------------------------------------
+    def punch(self, location: Location) -> bool:
+        """Free a dead record's span (the file keeps its size; reads of it give zeros).
+        False where the filesystem cannot punch holes (the bytes then stay until the
+        segment is compacted away)."""
+        fd = self._ensure_fd(location.segment)
+        return punch_hole(fd, location.offset, location.span_nbytes)
+
+    def relocate(self, moves: Sequence[tuple[bytes, Location]]) -> list[Location]:
+        """Copy verified live records to the append position (compaction). The caller
+        syncs, commits the new locations, and removes the old segment after the grace
+        period. A record that does not verify raises ValueError (quarantine it instead)."""
+        pending = []
+        for digest, loc in moves:
+            header, body = self.read_verified(loc, digest)
+            pending.append(PendingRecord(bytes(digest), header.pack(), bytes(body)))
+        return self.append(pending)
+
+    def remove(self, segment: int) -> None:
+        """Delete a segment file no index entry names any more (after compaction)."""
+        with self._lock:
+            m = self._maps.pop(segment, None)
+            fd = self._write_fds.pop(segment, None)
+        if m is not None:
+            try:
+                m.close()
+            except BufferError:
+                pass  # a view is still exported; the mapping goes with it
+        if fd is not None:
+            os.close(fd)
+        self.path(segment).unlink(missing_ok=True)
+        if self._current == segment:
+            self._current, self._tail = None, 0
+
+    def close(self) -> None:
+        with self._lock:
+            maps, fds = list(self._maps.values()), list(self._write_fds.values())
+            self._maps.clear()
+            self._write_fds.clear()
+        for m in maps:
+            try:
+                m.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping lives until it is dropped
+        for fd in fds:
+            os.close(fd)
+
+
+_libc = None
+
+
+def punch_hole(fd: int, offset: int, nbytes: int) -> bool:
+    """fallocate(FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE); False when unsupported."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong,
+                                    ctypes.c_longlong]
+    rc = _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, nbytes)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS):
+        return False
+    raise StoreIOError(f"punching a hole at {offset} (+{nbytes}) failed: {os.strerror(err)}")
