@@ -113,7 +113,9 @@ def kernel_function(name: str, body: str, inputs: list[Argument],
     lines += [body, "}"]
     if template:
         values = ", ".join(_template_value(v) for _, v in template)
-        lines.append(f"template [[kernel]] decltype({name}<{values}>) {name}<{values}>;")
+        # MLX writes `template [[host_name("...")]] [[kernel]] decltype(...) ...;`: Metal's
+        # front end takes attributes there, clang and gcc do not, so they are left out
+        lines.append(f"template decltype({name}<{values}>) {name}<{values}>;")
     return "\n".join(lines) + "\n"
 
 
