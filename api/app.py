@@ -22,7 +22,7 @@ import anyio
 from fastapi import FastAPI
 
 from api import errors
-from api.auth import AuthMiddleware, TokenTable
+from api.auth import AuthMiddleware, TokenTable, chain_salts_from_settings
 from api.budget import DecodeBudget
 from api.limits import BodyLimitMiddleware, HeaderLimitMiddleware, UploadSlots
 from api.methods import MethodMiddleware
@@ -40,7 +40,8 @@ tokens. docs/api.md describes the framing, errors and settings."""
 def open_store(settings: Settings) -> Store:
     config = StoreConfig(map_nbytes=settings.map_nbytes, max_map_nbytes=settings.max_map_nbytes,
                          budget_nbytes=settings.budget_nbytes or None,
-                         reserve_nbytes=settings.reserve_nbytes)
+                         reserve_nbytes=settings.reserve_nbytes,
+                         chain_salts=chain_salts_from_settings(settings))
     store = Store(settings.data_dir, config)
     tier = settings.tier_config()
     if tier is None:
@@ -56,6 +57,11 @@ def create_app(store: Store | None = None, settings: Settings | None = None, *,
     if store is not None and store_factory is not None:
         raise ValueError("pass a store or a store_factory, not both")
     tokens = TokenTable.from_settings(settings)
+    salts = chain_salts_from_settings(settings)
+    if store is not None and salts and store.config.chain_salts != salts:
+        raise ValueError("the store was opened with other chain salts than the tokens file's "
+                         "[[namespace]] tables: open it with StoreConfig(chain_salts=...) of "
+                         "those (api.auth.chain_salts_from_settings)")
     metrics = Metrics()
 
     @asynccontextmanager

@@ -13,6 +13,15 @@ for an admin over every namespace) and from a tokens file:
     secret = "another-long-random-one"
     namespace = "*"                     # "*" only for admins: every namespace
     admin = true
+    [[namespace]]                       # optional: a namespace with salted chain keys
+    name = "team-a"
+    chain_salt = "64 lowercase hex characters"  # secrets.token_hex(32); never change it
+                                        # for a namespace that holds blocks
+
+Chain salts (docs/format.md section 3, docs/api.md "Tenants"): the server opens its
+store with them (StoreConfig.chain_salts) and tells a token its own namespace's salt
+(GET /v1/namespaces/{namespace}/chain-salt), so a tenant's processes key blocks as the
+store does while no other tenant can compute those keys.
 
 AuthMiddleware authenticates every HTTP request except public_paths() before routing
 (so an unknown path without a token is a 401, and a route added later cannot forget
@@ -40,7 +49,7 @@ from fastapi import Depends, Request
 
 from api.errors import Forbidden, error_response
 from api.settings import Settings
-from kvstore.ids import check_namespace
+from kvstore.ids import ChainSalts, check_namespace
 
 log = logging.getLogger("kvstore.api")
 ALL_NAMESPACES = "*"
@@ -110,12 +119,35 @@ class TokenTable:
         return cls(entries)
 
 
-def _read_tokens_file(path: Path) -> list[tuple[bytes, Principal]]:
+def chain_salts_from_settings(settings: Settings) -> ChainSalts:
+    """The [[namespace]] chain salts of the tokens file (none without one)."""
+    if settings.tokens_file is None:
+        return ChainSalts()
+    data = _load_tokens_file(settings.tokens_file)
+    salts = {}
+    for i, item in enumerate(data.get("namespace", [])):
+        name, salt = item.get("name"), item.get("chain_salt")
+        if set(item) - {"name", "chain_salt"}:
+            raise ValueError(f"{settings.tokens_file}: namespace[{i}] takes only name and chain_salt")
+        if not isinstance(salt, str):
+            raise ValueError(f"{settings.tokens_file}: namespace[{i}].chain_salt must be 64 "
+                             "lowercase hex characters")
+        if name in salts:
+            raise ValueError(f"{settings.tokens_file}: namespace {name!r} is named twice")
+        salts[check_namespace(name)] = salt
+    return ChainSalts(salts)
+
+
+def _load_tokens_file(path: Path) -> dict:
     mode = os.stat(path).st_mode
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         log.warning("tokens file %s is readable by group or others; chmod 600 it", path)
     with open(path, "rb") as f:
-        data = tomllib.load(f)
+        return tomllib.load(f)
+
+
+def _read_tokens_file(path: Path) -> list[tuple[bytes, Principal]]:
+    data = _load_tokens_file(path)
     out = []
     for i, item in enumerate(data.get("token", [])):
         secret, namespace = item.get("secret"), item.get("namespace")

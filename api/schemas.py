@@ -187,6 +187,12 @@ class Presence(BaseModel):
     present: list[bool]
 
 
+class ChainSaltOut(BaseModel):
+    namespace: str
+    salted: bool
+    salt: str | None = Field(description="64 hex characters; null when unsalted")
+
+
 class PrefixLookup(Strict):
     format_id: Hex64
     namespace: Namespace

@@ -240,7 +240,7 @@ def upload(store, cap: Capture, *, namespace: str = DEFAULT_NAMESPACE,
     chunks = [tokens[i : i + size] for i in range(0, len(tokens), size)]
     keys, parent = [], ROOT_KEY
     for chunk in chunks:
-        parent = chain_key(fid, namespace, parent, chunk)
+        parent = chain_key(fid, namespace, parent, chunk, salt=store.chain_salt(namespace))
         keys.append(parent)
     stored = store.has_blocks(keys) if keys else []
     first_new = next((i for i, present in enumerate(stored) if not present), len(keys))
@@ -255,7 +255,8 @@ def upload(store, cap: Capture, *, namespace: str = DEFAULT_NAMESPACE,
             digest = page_digest(data)
             payload[digest] = data
             digests.append(digest)
-        record = BlockRecord(fid, namespace, parent, chunks[i], tuple(digests))
+        record = BlockRecord(fid, namespace, parent, chunks[i], tuple(digests),
+                             salt=store.chain_salt(namespace))
         records.append(record)
         parent = record.key
     attachment_digests = {}

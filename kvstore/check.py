@@ -114,7 +114,7 @@ def check_store(store, read_data: bool = False, subset: tuple[int, int] | None =
         for key, value in index.block_records():
             report.blocks_checked += 1
             try:
-                record = BlockRecord.decode(value)
+                record = BlockRecord.decode(value, index.chain_salts)
             except (ValueError, InvalidInput) as exc:
                 report.add("block_bad", key.hex(), f"does not decode: {exc}")
                 continue

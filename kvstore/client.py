@@ -53,7 +53,7 @@ import zstandard
 from kvstore.check import CheckReport, Problem
 from kvstore.errors import IntegrityError, InvalidInput, KVStoreError, NotFound, StoreIOError
 from kvstore.format import FormatIdentity
-from kvstore.ids import ChainKey, PageDigest
+from kvstore.ids import ChainKey, PageDigest, check_chain_salt, check_namespace
 from kvstore.records import BlockRecord, Checkpoint
 from kvstore.store import (
     CommitResult,
@@ -142,6 +142,7 @@ class RemoteStore:
         self._pool_lock = threading.Lock()
         self._compress = compress_uploads
         self._formats: dict[bytes, FormatIdentity] = {}
+        self._salts: dict[str, bytes | None] = {}  # namespace -> chain salt, as the service said
         self._local = Store(local_dir, readonly=True) if local_dir is not None else None
 
     @property
@@ -371,10 +372,23 @@ class RemoteStore:
         body = self._post("/v1/blocks/commit", {"blocks": payload}, idempotent=True)
         return CommitResult(body["new"], body["existing"], body["evicted_blocks"])
 
+    def chain_salt(self, namespace: str) -> bytes | None:
+        """The namespace's chain salt as the service keeps it (GET
+        /v1/namespaces/{namespace}/chain-salt; a token learns only its own namespace's),
+        asked once per namespace and kept for this client's life."""
+        if namespace not in self._salts:
+            body = self._get(f"/v1/namespaces/{_segment(check_namespace(namespace))}/chain-salt")
+            salt = body.get("salt")
+            self._salts[namespace] = check_chain_salt(bytes.fromhex(salt)) if salt else None
+        return self._salts[namespace]
+
+    def _block(self, data: dict) -> BlockRecord:
+        return block_from_json(data, self.chain_salt(data["namespace"]))
+
     def get_blocks(self, keys: Sequence) -> list[BlockRecord]:
         wanted = [ChainKey.coerce(k).hex() for k in keys]
         body = self._post("/v1/blocks/get", {"keys": wanted}, idempotent=True)
-        return [block_from_json(b) for b in body["blocks"]]
+        return [self._block(b) for b in body["blocks"]]
 
     def list_blocks(self, namespace: str | None = None, *, after=None,
                     limit: int = 1000) -> list[BlockRecord]:
@@ -384,7 +398,7 @@ class RemoteStore:
         if after is not None:
             params["after"] = ChainKey.coerce(after).hex()
         body = self._get("/v1/blocks", params=params)
-        return [block_from_json(b) for b in body["blocks"]]
+        return [self._block(b) for b in body["blocks"]]
 
     def find_blocks(self, keys: Sequence) -> list[BlockRecord | None]:
         """The record of each key, or None where absent (record presence only). One
@@ -417,12 +431,13 @@ class RemoteStore:
         the LRU order). A replay the server refuses is kept in last_replay_error."""
         request = {"format_id": _format_id_bytes(format_id).hex(), "namespace": namespace,
                    "tokens": [int(t) for t in tokens], "max_tokens": max_tokens}
-        if self._local is not None:
+        # the local map's Store holds no salts: a salted namespace is looked up over HTTP
+        if self._local is not None and self.chain_salt(namespace) is None:
             match = self._local.lookup_prefix(format_id, namespace, tokens, max_tokens=max_tokens)
             self._replay(request)
             return match
         body = self._post("/v1/prefix/lookup", request, idempotent=True)
-        return PrefixMatch(body["tokens_matched"], tuple(block_from_json(b) for b in body["blocks"]))
+        return PrefixMatch(body["tokens_matched"], tuple(self._block(b) for b in body["blocks"]))
 
     def _replay(self, request: dict) -> None:
         with self._pool_lock:

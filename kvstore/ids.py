@@ -17,13 +17,18 @@ Salted (optional, per namespace): the same message hashed by blake3 in keyed mod
 key being the namespace's 32-byte secret salt. Still deterministic for whoever holds
 the salt; without it no one can compute a key for a guessed prompt. salt=None is the
 unsalted key above, byte for byte.
+
+ChainSalts is where a store (StoreConfig.chain_salts) or the service (the tokens
+file's [[namespace]] tables, api/auth.py) keeps the secrets: namespace -> salt, every
+other namespace unsalted. Its repr never shows a salt.
 """
 
 from __future__ import annotations
 
+import hmac
 import re
 import struct
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import blake3
 import numpy as np
@@ -149,6 +154,53 @@ def check_chain_salt(salt) -> bytes | None:
         raise InvalidInput(f"a chain salt is {CHAIN_SALT_NBYTES} bytes (64 hex characters); "
                            "generate one with `python -c 'import secrets; print(secrets.token_hex(32))'`")
     return bytes(salt)
+
+
+class ChainSalts(Mapping):
+    """namespace -> 32-byte chain salt, immutable; namespaces not named are unsalted.
+    Built from bytes or 64-hex strings: ChainSalts({"team-b": "ab12..."})."""
+
+    __slots__ = ("_salts",)
+
+    def __init__(self, salts: Mapping | None = None):
+        parsed = {}
+        for namespace, salt in dict(salts or {}).items():
+            if isinstance(salt, str):
+                if _HEX64.fullmatch(salt) is None:
+                    raise InvalidInput(f"the chain salt of namespace {namespace!r} is not 64 "
+                                       "lowercase hex characters")
+                salt = bytes.fromhex(salt)
+            parsed[check_namespace(namespace)] = check_chain_salt(salt)
+        object.__setattr__(self, "_salts", parsed)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("ChainSalts is immutable")
+
+    def salt_for(self, namespace: str) -> bytes | None:
+        """The namespace's salt, or None when it is unsalted."""
+        return self._salts.get(namespace)
+
+    def __getitem__(self, namespace: str) -> bytes:
+        return self._salts[namespace]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._salts)
+
+    def __len__(self) -> int:
+        return len(self._salts)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._salts.items()))
+
+    def __repr__(self) -> str:  # the namespaces, never the secrets
+        return f"ChainSalts(salted={sorted(self._salts)})"
+
+
+def compare_salts(a: bytes | None, b: bytes | None) -> bool:
+    """Whether two salts (or Nones) are the same, in constant time for equal lengths."""
+    if a is None or b is None:
+        return a is b
+    return hmac.compare_digest(a, b)
 
 
 def chain_key(format_id: bytes, namespace: str, parent: bytes, tokens: Sequence[int],

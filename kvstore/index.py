@@ -35,7 +35,7 @@ from typing import Callable, Iterator, TypeVar
 from kvstore import faults
 from kvstore.errors import InvalidInput, MissingReferences
 from kvstore.format import FormatIdentity
-from kvstore.ids import ROOT_KEY, chain_key
+from kvstore.ids import ROOT_KEY, ChainSalts, chain_key, compare_salts
 from kvstore.pages import HEADER_NBYTES, PageHeader, accounted_nbytes
 from kvstore.records import BlockRecord, Checkpoint
 
@@ -103,19 +103,20 @@ class IndexAccess:
     store's environment (kvstore/lmdbenv.py LmdbEnv.write: fn may run again from
     scratch when the map grows). Store.index and TieredStore.index are one."""
 
-    def __init__(self, env, clock=now_ns):
+    def __init__(self, env, clock=now_ns, chain_salts: ChainSalts | None = None):
         self._env = env  # a kvstore.lmdbenv.LmdbEnv
         self._clock = clock
+        self._salts = chain_salts if chain_salts is not None else ChainSalts()
 
     @contextmanager
     def read(self, *, buffers: bool = False) -> Iterator["StoreIndex"]:
         """With buffers=True page values are zero-copy views, valid inside the block."""
         with self._env.read(buffers=buffers) as txn:
-            yield StoreIndex(txn, self._env.dbs, self._clock)
+            yield StoreIndex(txn, self._env.dbs, self._clock, self._salts)
 
     def write(self, fn: Callable[["StoreIndex"], T], *, what: str, buffers: bool = False,
               freeing: bool = False, need_nbytes: int = 0) -> T:
-        return self._env.write(lambda txn, dbs: fn(StoreIndex(txn, dbs, self._clock)),
+        return self._env.write(lambda txn, dbs: fn(StoreIndex(txn, dbs, self._clock, self._salts)),
                                what=what, buffers=buffers, freeing=freeing,
                                need_nbytes=need_nbytes)
 
@@ -125,10 +126,13 @@ class StoreIndex:
     a buffers=True transaction, values are views valid until the next write: every
     method finishes reading a value before it modifies anything."""
 
-    def __init__(self, txn, dbs: dict, clock=now_ns):
+    def __init__(self, txn, dbs: dict, clock=now_ns, chain_salts: ChainSalts | None = None):
         self.txn = txn
         self.dbs = dbs
         self.clock = clock  # ns; the grace time of pages written (tests move it)
+        # the store's per-namespace chain salts (StoreConfig.chain_salts): they key
+        # lookups and decode salted records (kvstore/records.py)
+        self.chain_salts = chain_salts if chain_salts is not None else ChainSalts()
 
     # -- integers: counters, references, pins ----------------------------------------------
     def _get_u64(self, db: str, key: bytes) -> int:
@@ -271,7 +275,7 @@ class StoreIndex:
     # -- blocks ---------------------------------------------------------------------------
     def block(self, key: bytes) -> BlockRecord | None:
         raw = self.txn.get(bytes(key), db=self.dbs["blocks"])
-        return BlockRecord.decode(raw) if raw is not None else None
+        return BlockRecord.decode(raw, self.chain_salts) if raw is not None else None
 
     def has_block(self, key: bytes) -> bool:
         return self.txn.get(bytes(key), db=self.dbs["blocks"]) is not None
@@ -364,6 +368,11 @@ class StoreIndex:
         missing_pages, new, existing = [], 0, 0
         for b in blocks:
             fmt = formats[b.format_id]
+            if not compare_salts(b.salt, self.chain_salts.salt_for(b.namespace)):
+                how = ("with a chain salt that is not this store's salt of that namespace"
+                       if b.salted else "without a chain salt, and this store salts that namespace")
+                raise InvalidInput(f"block {b.key.short} of namespace {b.namespace!r} is keyed "
+                                   f"{how}: take the salt from store.chain_salt(namespace)")
             if b.key in batch or self.has_block(b.key):
                 existing += 1
                 if b.key not in batch:
@@ -408,9 +417,10 @@ class StoreIndex:
         stopped before a stored block with a missing or quarantined page (then no
         trailing partial block is matched either)."""
         bs, matched, damaged = block_size_tokens, [], False
+        salt = self.chain_salts.salt_for(namespace)
         parent, pos = ROOT_KEY, 0
         while pos + bs <= len(tokens):
-            key = chain_key(fid, namespace, parent, tokens[pos : pos + bs])
+            key = chain_key(fid, namespace, parent, tokens[pos : pos + bs], salt=salt)
             record = self.complete_block(key)
             if record is None:
                 damaged = self.has_block(key)
@@ -419,7 +429,7 @@ class StoreIndex:
             parent, pos = key, pos + bs
         if not damaged:  # a trailing partial block, after the full ones
             for n in range(min(len(tokens) - pos, bs - 1), 0, -1):
-                key = chain_key(fid, namespace, parent, tokens[pos : pos + n])
+                key = chain_key(fid, namespace, parent, tokens[pos : pos + n], salt=salt)
                 if not self.has_block(key):
                     continue
                 record = self.complete_block(key)

@@ -29,6 +29,12 @@ Capabilities are attributes of the protocol, never guessed from the method set
 Semantics every implementation keeps (the conformance test in
 tests/kvstore/test_protocol.py checks the method set and signatures of all three):
 
+  chain_salt(ns)    the namespace's secret chain salt (docs/format.md section 3), None
+                    when it is unsalted: what a publisher passes to chain_key and
+                    BlockRecord so its keys are the store's. Store and TieredStore read
+                    StoreConfig.chain_salts; RemoteStore asks the service, which tells a
+                    token only its own namespace's salt (an admin's: any).
+
   has_blocks(keys)  one bool per key: True only when the block's record is stored AND
                     every page it names is present (not missing, not quarantined). A
                     presence check: no page is copied or hashed. A block that answers
@@ -60,6 +66,8 @@ class PageReader(Protocol):
 
     @property
     def maps_pages(self) -> bool: ...
+
+    def chain_salt(self, namespace: str) -> bytes | None: ...
 
     def get_format(self, format_id) -> FormatIdentity: ...
 
@@ -95,6 +103,8 @@ class PageWriter(Protocol):
     """The writes of a publish: missing -> put_pages -> commit_blocks -> checkpoint."""
 
     def put_format(self, identity: FormatIdentity) -> bytes: ...
+
+    def chain_salt(self, namespace: str) -> bytes | None: ...
 
     def missing(self, digests: Iterable) -> list[PageDigest]: ...
 

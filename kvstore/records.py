@@ -4,7 +4,9 @@ Block record (value under its chain key in `blocks`), all integers big-endian:
 
     offset size field
     0      1    record version (1)
-    1      3    reserved, zero
+    1      1    flags: bit 0 set = the chain key is salted (keyed by the namespace's
+                secret salt, docs/format.md section 3); other bits zero
+    2      2    reserved, zero
     4      32   format id
     36     32   parent chain key (32 zero bytes for a first block)
     68     8    created ns
@@ -15,6 +17,11 @@ Block record (value under its chain key in `blocks`), all integers big-endian:
     94     m    namespace, utf-8
     94+m   4n   token ids, u32 little-endian (the chain key's own byte order)
     ...    32p  page digests, one per paged layer in layer order
+
+An unsalted record has flags 0, byte for byte the layout of stores written before
+salts existed. The salt itself is never stored: decoding a salted record needs the
+namespace's salt (ChainSalts), and without it decode refuses rather than derive a
+wrong key.
 
 A checkpoint manifest is canonical JSON (sorted keys): format id, namespace, name,
 token ids (base64 of u32 little-endian), ordered chain keys, attachments (name ->
@@ -43,8 +50,10 @@ from kvstore.errors import InvalidInput
 from kvstore.ids import (
     ROOT_KEY,
     ChainKey,
+    ChainSalts,
     PageDigest,
     chain_key,
+    check_chain_salt,
     check_name,
     check_namespace,
     tokens_from_bytes,
@@ -52,7 +61,8 @@ from kvstore.ids import (
 )
 
 BLOCK_VERSION = 1
-_BLOCK_HEAD = struct.Struct(">B3x32s32sQQIIH")
+BLOCK_FLAG_SALTED = 0x01
+_BLOCK_HEAD = struct.Struct(">BB2x32s32sQQIIH")
 MAX_METADATA_NBYTES = 64 * 1024
 MAX_METADATA_DEPTH = 16         # nesting levels of objects and arrays, the top one included
 MAX_METADATA_ENTRIES = 1024     # object keys plus array items, over the whole tree
@@ -100,7 +110,9 @@ def check_metadata(metadata) -> dict:
 
 @dataclass(frozen=True)
 class BlockRecord:
-    """One block of tokens: its key, its parent, and one page digest per paged layer."""
+    """One block of tokens: its key, its parent, and one page digest per paged layer.
+    `salt` is the namespace's chain salt (None: unsalted); it keys the derivation and
+    sets the record's salted flag, and is never encoded, compared or shown."""
 
     format_id: bytes
     namespace: str
@@ -110,6 +122,7 @@ class BlockRecord:
     created_ns: int = 0
     last_used_ns: int = 0
     key: ChainKey = field(default=None, compare=False)  # derived; never trusted from input
+    salt: bytes | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         check_namespace(self.namespace)
@@ -121,7 +134,13 @@ class BlockRecord:
         object.__setattr__(self, "pages", tuple(PageDigest.coerce(p) for p in self.pages))
         object.__setattr__(self, "parent", bytes(self.parent))
         object.__setattr__(self, "format_id", bytes(self.format_id))
-        object.__setattr__(self, "key", chain_key(self.format_id, self.namespace, self.parent, self.tokens))
+        object.__setattr__(self, "salt", check_chain_salt(self.salt))
+        object.__setattr__(self, "key", chain_key(self.format_id, self.namespace, self.parent,
+                                                  self.tokens, salt=self.salt))
+
+    @property
+    def salted(self) -> bool:
+        return self.salt is not None
 
     @property
     def is_root(self) -> bool:
@@ -132,25 +151,39 @@ class BlockRecord:
 
     def encode(self) -> bytes:
         ns = self.namespace.encode()
-        head = _BLOCK_HEAD.pack(BLOCK_VERSION, self.format_id, self.parent, self.created_ns,
+        flags = BLOCK_FLAG_SALTED if self.salted else 0
+        head = _BLOCK_HEAD.pack(BLOCK_VERSION, flags, self.format_id, self.parent, self.created_ns,
                                 self.last_used_ns, len(self.tokens), len(self.pages), len(ns))
         return b"".join([head, ns, tokens_to_bytes(self.tokens), *self.pages])
 
     @classmethod
-    def decode(cls, raw) -> "BlockRecord":
+    def decode(cls, raw, salts: ChainSalts | None = None) -> "BlockRecord":
+        """A stored record; `salts` gives the salt of a salted record's namespace (an
+        unsalted record is decoded alike whatever salts say)."""
         raw = bytes(raw)
-        version, fid, parent, created, used, ntok, npages, nslen = _BLOCK_HEAD.unpack_from(raw)
+        version, flags, fid, parent, created, used, ntok, npages, nslen = _BLOCK_HEAD.unpack_from(raw)
         if version != BLOCK_VERSION:
             raise ValueError(f"block record version {version} is not {BLOCK_VERSION}")
+        if flags & ~BLOCK_FLAG_SALTED:
+            raise ValueError(f"block record flags {flags:#04x} name bits this code does not know")
         at = _BLOCK_HEAD.size
         ns = raw[at : at + nslen].decode()
+        salt = None
+        if flags & BLOCK_FLAG_SALTED:
+            salt = salts.salt_for(ns) if salts is not None else None
+            if salt is None:
+                raise InvalidInput(
+                    f"a block of namespace {ns!r} is keyed by a chain salt this reader was not "
+                    "given: open the store with that namespace's salt (StoreConfig.chain_salts; "
+                    "the service and the CLI read it from the tokens file's [[namespace]] "
+                    "chain_salt)")
         at += nslen
         tokens = tokens_from_bytes(raw[at : at + 4 * ntok])
         at += 4 * ntok
         pages = tuple(PageDigest(raw[at + 32 * i : at + 32 * (i + 1)]) for i in range(npages))
         if at + 32 * npages != len(raw):
             raise ValueError("block record length does not match its counts")
-        return cls(fid, ns, parent, tuple(tokens), pages, created, used)
+        return cls(fid, ns, parent, tuple(tokens), pages, created, used, salt=salt)
 
 
 @dataclass(frozen=True)
@@ -248,16 +281,18 @@ def checkpoint_key(namespace: str, name: str) -> bytes:
 
 
 def blocks_for_tokens(format_id: bytes, namespace: str, tokens: Sequence[int],
-                      block_size_tokens: int, pages: Sequence[Sequence[PageDigest]]) -> list[BlockRecord]:
+                      block_size_tokens: int, pages: Sequence[Sequence[PageDigest]],
+                      salt: bytes | None = None) -> list[BlockRecord]:
     """Chain `tokens` into block records: full blocks plus a partial tail, if any.
-    pages[i] holds block i's page digests, one per paged layer."""
+    pages[i] holds block i's page digests, one per paged layer; `salt` is the
+    namespace's chain salt (store.chain_salt(namespace)), None when unsalted."""
     n_blocks = -(-len(tokens) // block_size_tokens)
     if len(pages) != n_blocks:
         raise InvalidInput(f"{len(tokens)} tokens make {n_blocks} blocks, got pages for {len(pages)}")
     records, parent = [], ROOT_KEY
     for i in range(n_blocks):
         chunk = tuple(tokens[i * block_size_tokens : (i + 1) * block_size_tokens])
-        record = BlockRecord(format_id, namespace, parent, chunk, tuple(pages[i]))
+        record = BlockRecord(format_id, namespace, parent, chunk, tuple(pages[i]), salt=salt)
         records.append(record)
         parent = record.key
     return records

@@ -41,7 +41,7 @@ from kvstore.errors import (
 )
 from kvstore.format import FormatIdentity
 from kvstore.gc import GCPlan, plan_gc
-from kvstore.ids import ChainKey, PageDigest, check_namespace
+from kvstore.ids import ChainKey, ChainSalts, PageDigest, check_namespace
 from kvstore.index import (
     COUNTERS,
     U64,
@@ -87,6 +87,14 @@ class StoreConfig:
     budget_nbytes: int | None = None  # evict LRU unpinned blocks past this many stored bytes
     reserve_nbytes: int = DEFAULT_RESERVE_NBYTES  # disk kept free for deletes and GC
     compression: Compression = field(default_factory=Compression)
+    # namespace -> 32-byte secret salt of its chain keys (docs/format.md section 3);
+    # namespaces not named are unsalted. Give every process that opens the store the
+    # same salts: a reader without a salted namespace's salt refuses its records.
+    chain_salts: ChainSalts = field(default_factory=ChainSalts)
+
+    def __post_init__(self):
+        if not isinstance(self.chain_salts, ChainSalts):
+            object.__setattr__(self, "chain_salts", ChainSalts(self.chain_salts))
 
 
 @dataclass(frozen=True)
@@ -171,13 +179,18 @@ class Store:
         # lookups, hits, tokens asked, tokens matched, lookups stopped at a damaged block
         self._lookups = [0, 0, 0, 0, 0]
         # the index, one transaction at a time (kvstore/index.py)
-        self.index = IndexAccess(self._lmdb, _clock)
+        self.index = IndexAccess(self._lmdb, _clock, self.config.chain_salts)
         self._check_schema()
 
     @property
     def maps_pages(self) -> bool:
         """get_pages yields zero-copy views of the LMDB map (kvstore/protocol.py)."""
         return True
+
+    def chain_salt(self, namespace: str) -> bytes | None:
+        """The namespace's chain salt (StoreConfig.chain_salts), None when unsalted:
+        what a publisher passes to chain_key and BlockRecord (kvstore/protocol.py)."""
+        return self.config.chain_salts.salt_for(check_namespace(namespace))
 
     @classmethod
     def open(cls, path, **config) -> "Store":
@@ -382,7 +395,7 @@ class Store:
             for key, value in index.block_records(start):
                 if key == start:
                     continue
-                record = BlockRecord.decode(value)
+                record = BlockRecord.decode(value, index.chain_salts)
                 if namespace is None or record.namespace == namespace:
                     out.append(record)
                     if len(out) >= limit:

@@ -259,11 +259,14 @@ def block_to_json(record: BlockRecord, with_times: bool = True) -> dict:
     return out
 
 
-def block_from_json(data: dict) -> BlockRecord:
+def block_from_json(data: dict, salt: bytes | None = None) -> BlockRecord:
+    """salt: the chain salt of data's namespace (store.chain_salt), None when unsalted;
+    the key is derived with it, never read from data."""
     return BlockRecord(_hex32(data["format_id"], "format_id"), data["namespace"],
                        _hex32(data["parent"], "parent"), tuple(data["tokens"]),
                        tuple(PageDigest.parse(p) for p in data["pages"]),
-                       int(data.get("created_ns", 0)), int(data.get("last_used_ns", 0)))
+                       int(data.get("created_ns", 0)), int(data.get("last_used_ns", 0)),
+                       salt=salt)
 
 
 def checkpoint_to_json(c: Checkpoint, with_times: bool = True) -> dict:

@@ -11,10 +11,12 @@ from api.routes import (
     dashboard,
     formats,
     health,
+    namespaces,
     pages,
     prefix,
     stats,
 )
 
 ROUTERS = [health.router, formats.router, pages.router, blocks.router, prefix.router,
-           checkpoints.router, stats.router, admin.router, dashboard.router]
+           checkpoints.router, namespaces.router, stats.router, admin.router,
+           dashboard.router]

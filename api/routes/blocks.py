@@ -26,7 +26,9 @@ def commit_blocks(body: CommitBlocks, store: StoreDep,
     names whatever must be uploaded first; nothing is committed then)."""
     for block in body.blocks:
         principal.require_namespace(block.namespace)
-    result = store.commit_blocks([block_from_json(b.model_dump()) for b in body.blocks])
+    # keyed with the store's salt of each block's namespace (the key is never sent)
+    result = store.commit_blocks([block_from_json(b.model_dump(), store.chain_salt(b.namespace))
+                                  for b in body.blocks])
     return {"new": result.new, "existing": result.existing, "evicted_blocks": result.evicted_blocks}
 
 

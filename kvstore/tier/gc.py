@@ -55,6 +55,7 @@ class RemoteGCPlan:
     pages: list[ObjectInfo] = field(default_factory=list)
     formats: list[ObjectInfo] = field(default_factory=list)
     young: int = 0        # unmarked objects spared because they are younger than the cutoff
+    chain_salts: object = None  # a ChainSalts: salted block records decode with it
 
     @property
     def cutoff(self) -> datetime:
@@ -92,7 +93,7 @@ class RemoteGCPlan:
             chain = ChainKey.parse(info.key.rsplit("/", 1)[-1])
             body = self.bucket.get(info.key)
             if body is not None:
-                record = L.decode_block(info.key, chain, body)
+                record = L.decode_block(info.key, chain, body, self.chain_salts)
                 spared_pages.update(self.layout.page_key(d) for d in record.pages)
         self._check_fresh()
         rest = [o for o in self.pages if o.key not in spared_pages] + self.formats
@@ -126,10 +127,14 @@ class RemoteGCPlan:
             yield from zip(batch, results, strict=True)
 
 
-def plan_remote_gc(bucket: Bucket, layout: L.Layout, grace_s: float = 3600.0) -> RemoteGCPlan:
+def plan_remote_gc(bucket: Bucket, layout: L.Layout, grace_s: float = 3600.0,
+                   chain_salts=None) -> RemoteGCPlan:
+    """chain_salts: the store's ChainSalts; without a salted namespace's salt its block
+    records do not decode and the plan refuses (RemoteIntegrityError), never guesses."""
     if grace_s < 0:
         raise InvalidInput("grace period must be >= 0 seconds")
-    plan = RemoteGCPlan(bucket, layout, float(grace_s), bucket.server_now(), time.monotonic())
+    plan = RemoteGCPlan(bucket, layout, float(grace_s), bucket.server_now(), time.monotonic(),
+                        chain_salts=chain_salts)
     cutoff = plan.cutoff
     root_blocks: set[ChainKey] = set()
     marked_pages: set[PageDigest] = set()
@@ -163,7 +168,7 @@ def plan_remote_gc(bucket: Bucket, layout: L.Layout, grace_s: float = 3600.0) ->
             marked_blocks.add(k)
             if body is None:
                 continue
-            record = L.decode_block(layout.block_key(k), k, body)
+            record = L.decode_block(layout.block_key(k), k, body, chain_salts)
             marked_pages.update(record.pages)
             marked_formats.add(record.format_id)
             parent = ChainKey(record.parent)

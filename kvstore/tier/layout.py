@@ -140,10 +140,11 @@ def decode_page(key: str, digest: PageDigest, body) -> memoryview:
     return payload
 
 
-def decode_block(key: str, chain: ChainKey, body) -> BlockRecord:
+def decode_block(key: str, chain: ChainKey, body, salts=None) -> BlockRecord:
+    """salts: the store's ChainSalts (a salted record needs its namespace's salt)."""
     payload = open_envelope(key, "blocks", body)
     try:
-        record = BlockRecord.decode(payload)
+        record = BlockRecord.decode(payload, salts)
     except (ValueError, InvalidInput) as exc:
         raise RemoteIntegrityError(key, f"block record does not decode: {exc}") from None
     if record.key != chain:

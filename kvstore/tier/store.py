@@ -113,6 +113,10 @@ class TieredStore:
     def path(self):
         return self.local.path
 
+    def chain_salt(self, namespace: str) -> bytes | None:
+        """The local store's salt of the namespace (StoreConfig.chain_salts)."""
+        return self.local.chain_salt(namespace)
+
     @property
     def maps_pages(self) -> bool:
         """get_pages answers from the local store's map; pages pulled from the bucket
@@ -238,7 +242,7 @@ class TieredStore:
 
     def plan_remote_gc(self, grace_s: float = 3600.0):
         from kvstore.tier.gc import plan_remote_gc
-        return plan_remote_gc(self.bucket, self.layout, grace_s)
+        return plan_remote_gc(self.bucket, self.layout, grace_s, self.config.chain_salts)
 
     def stats(self) -> TieredStats:
         base = asdict(self.local.stats())
@@ -327,11 +331,13 @@ class TieredStore:
         n_full, tail = divmod(len(tokens), bs)
         if len(full) == n_full and (not tail or len(local.blocks) > len(full)):
             return local  # nothing longer can exist anywhere
-        keys = chain_keys(fid, namespace, tokens, bs)
+        salt = self.chain_salt(namespace)
+        keys = chain_keys(fid, namespace, tokens, bs, salt=salt)
         wanted = keys[len(full):]
         tail_key = None
         if tail:
-            tail_key = chain_key(fid, namespace, keys[-1] if keys else ROOT_KEY, tokens[n_full * bs:])
+            tail_key = chain_key(fid, namespace, keys[-1] if keys else ROOT_KEY, tokens[n_full * bs:],
+                                 salt=salt)
             wanted.append(tail_key)
         found = self._fetch_blocks(wanted)
         run = []
@@ -353,7 +359,8 @@ class TieredStore:
         def one(k):
             key = self.layout.block_key(k)
             body = self.bucket.get(key)
-            return None if body is None else self._checked(L.decode_block, key, k, body)
+            return None if body is None else self._checked(L.decode_block, key, k, body,
+                                                           self.config.chain_salts)
         futures = {k: self.bucket.pool.submit(one, k) for k in keys}
         out = {k: f.result() for k, f in futures.items()}
         self._count("fetched_blocks", sum(1 for r in out.values() if r is not None))
