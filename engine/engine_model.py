@@ -31,15 +31,15 @@ from typing import TYPE_CHECKING, Sequence
 import mlx.nn as nn
 
 from engine.errors import InvalidRequest
-from engine.formats import resolve_format
+from engine.formats import format_identity, resolve_format
 from engine.attention import GATHERED
 from engine.geometry import LayerGeometry, probe_geometry
 from engine.models import (
     PagedAttentionCheck,
     check_paged_attention,
+    kv_dtype,
     make_cache,
     make_pools,
-    model_identity,
 )
 from engine.policy import KVPolicy
 from engine.stock import make_stock_cache
@@ -89,13 +89,16 @@ class EngineModel:
         self.model = model
         self.model_id = model_id
         self.policy = policy or KVPolicy()
+        # The policy bound to this model: its format chosen once, here, so nothing below
+        # needs the model id to pick one (model_id reaches only format_identity).
+        self.model_policy = self.policy.with_format(self.policy.format_for(model_id))
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.admission = admission
         self.resident = resident
         probed = probe_geometry(model)
         self.geometry: list[LayerGeometry] = list(probed.layers)
         self.identity: FormatIdentity = self._identity(0)
-        self.paged = resolve_format(self.policy.format_for(model_id), probed.kv_dtype).paged
+        self.paged = resolve_format(self.model_policy.default_format, probed.kv_dtype).paged
         self.attention: PagedAttentionCheck = (
             check_paged_attention(model) if self.paged and attention_impl != GATHERED
             else PagedAttentionCheck(False, "gathered by request" if self.paged else "unpaged"))
@@ -117,9 +120,10 @@ class EngineModel:
         return self.identity if converted_at_token == 0 else self._identity(converted_at_token)
 
     def _identity(self, converted_at_token: int) -> FormatIdentity:
-        return model_identity(self.model, self.policy, model_id=self.model_id,
-                              tokenizer_fingerprint=self.tokenizer_fingerprint,
-                              converted_at_token=converted_at_token)
+        return format_identity(self.model, self.model_policy, model_id=self.model_id,
+                               model_dtype=kv_dtype(self.model),
+                               tokenizer_fingerprint=self.tokenizer_fingerprint,
+                               converted_at_token=converted_at_token)
 
     @property
     def pools(self) -> list:
@@ -127,7 +131,7 @@ class EngineModel:
         UnpagedFormat for an mlx-qB policy, whose pages the paged engine does not hold."""
         if self._pools is None:
             make = self.admission.make_pools if self.admission is not None else make_pools
-            self._pools = make(self.model, self.policy, model_id=self.model_id)
+            self._pools = make(self.model, self.model_policy)
         return self._pools
 
     def profile(self) -> ModelProfile:
@@ -143,7 +147,7 @@ class EngineModel:
     def make_cache(self, grant=None) -> list:
         """Fresh caches of the model: paged layers in the pools (under `grant` when
         given), mlx-lm's caches for the rest."""
-        return make_cache(self.model, self.policy, pools=self.pools,
+        return make_cache(self.model, self.model_policy, pools=self.pools,
                           attention_impl=self.attention_impl, grant=grant)
 
     def make_stock_cache(self) -> list:

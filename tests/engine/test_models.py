@@ -157,3 +157,19 @@ def test_router_check_needs_the_router_to_be_called():
     plamo2 = check_paged_attention(build("plamo2"))  # calls mx.fast directly
     assert not plamo2.routed and "never calls" in plamo2.reason
     assert check_paged_attention(tiny_model("llama")).routed
+
+
+def test_engine_model_binds_its_format_once():
+    """The model id picks the format once, in EngineModel; pools and caches get a policy
+    bound to it (model_id reaches only format_identity, issue 18)."""
+    from engine.engine_model import EngineModel
+
+    policy = KVPolicy(block_size_tokens=16, overrides=(("org/packed", "k8v4"),))
+    model = tiny_model("llama")
+    packed, plain = EngineModel(model, "org/packed", policy=policy), EngineModel(model, "org/x",
+                                                                                policy=policy)
+    assert packed.model_policy.overrides == () and packed.model_policy.default_format == "k8v4"
+    assert {p.spec.format.name for p in packed.pools} == {"k8v4"}
+    assert {c.spec.format.name for c in packed.make_cache()} == {"k8v4"}
+    assert {layer.page_format for layer in plain.identity.layers} == {"native-f32"}
+    assert packed.identity == model_identity(model, policy, model_id="org/packed")
