@@ -399,7 +399,7 @@ def planes_from_page(spec: PageSpec, data, tokens: int) -> dict[str, mx.array]:
 
 
 def pages_from_blocks(spec: PageSpec, arena: dict[str, mx.array], block_ids: list[int],
-                      num_tokens: int) -> list[memoryview]:
+                      num_tokens: int, copies=None) -> list[memoryview]:
     """The kvstore pages of a sequence: one per block, the last one possibly shorter.
 
     arena: name -> [num_blocks, H, block_size, width] (a pool layer's planes).
@@ -407,16 +407,18 @@ def pages_from_blocks(spec: PageSpec, arena: dict[str, mx.array], block_ids: lis
     engine/pagecopy.py) into one host buffer; on CUDA the blocks are gathered on the
     device first and come over in one transfer per plane. The pages are read-only
     views of that buffer (bytes-like: hash, send or compare them; bytes() copies).
+    copies (an engine.pagecopy.PageCopies): only add the copies to it, for the caller
+    to run together with others (capture runs every layer's on one set of threads).
     """
     size = spec.block_size_tokens
     if num_tokens > len(block_ids) * size or num_tokens <= (len(block_ids) - 1) * size:
         raise FormatMismatch(f"{num_tokens} tokens do not fill {len(block_ids)} blocks of {size}")
     if direct_writes():
         hosts = {name: host_readable(arena[name]) for name in spec.plane_names}
-        return gather_pages(spec, hosts, list(block_ids), num_tokens)
+        return gather_pages(spec, hosts, list(block_ids), num_tokens, copies)
     ids = mx.array(block_ids, dtype=mx.int32)
     hosts = {name: host_readable(arena[name][ids]) for name in spec.plane_names}
-    return gather_pages(spec, hosts, list(range(len(block_ids))), num_tokens)
+    return gather_pages(spec, hosts, list(range(len(block_ids))), num_tokens, copies)
 
 
 def blocks_from_pages(spec: PageSpec, pages: list) -> tuple[dict[str, mx.array], int]:

@@ -2,9 +2,9 @@
 
 Nouns:
   host view    a writable numpy array over an evaluated MLX array's own memory
-               (np.asarray(memoryview(arr)) aliases it; no copy). Valid on backends
-               whose arrays live in host-visible memory (CPU, Apple's unified memory);
-               on CUDA pages go through a StagingBuffer instead (see direct_writes).
+               (memoryview(arr) aliases it; no copy). Valid on backends whose arrays
+               live in host-visible memory: the CPU, Apple's unified memory and CUDA's
+               managed memory (see direct_writes; a StagingBuffer is the other path).
   regions      where each plane of a page sits in the page's bytes (engine/formats.py
                gives the layout: planes concatenated, each [H, tokens, width] C order).
   PageCopies   the copies of one restore, collected while caches are laid out and
@@ -38,10 +38,16 @@ DEFAULT_WORKERS = min(8, os.cpu_count() or 1)
 
 
 def direct_writes() -> bool:
-    """Whether restores write pages into MLX arrays through host views: True on the CPU
-    and on Apple's unified memory, False on CUDA, where the arrays are device memory
-    and pages travel in bulk through a host staging buffer (StagingBuffer)."""
-    return not (mx.default_device() == mx.gpu and mx.cuda.is_available())
+    """Whether restores write pages into MLX arrays through host views (True), or
+    through a reused host staging buffer, one transfer per plane and slice updates
+    (False: BlockPool.write_pages, for a backend whose arrays the host cannot see).
+
+    True on every backend MLX 0.32 has: the CPU, Apple's unified memory, and CUDA,
+    whose arrays MLX allocates in managed memory, so host writes land in them (checked
+    on an H200: a host view of a CUDA array writes it). Measured there, 8B-shaped
+    model, 8K prompt (1 GiB of native pages): restore TTFT 390 ms through host views
+    against 1054 ms through staging; k4v4 194 ms against 466 ms."""
+    return True
 
 
 def host_view(x: mx.array) -> np.ndarray:
@@ -180,22 +186,24 @@ class StagingBuffer:
         return self._buffer[:need].reshape(count, row_nbytes)
 
 
-def gather_pages(spec, hosts: dict[str, np.ndarray], block_ids: list[int],
-                 num_tokens: int) -> list[memoryview]:
+def gather_pages(spec, hosts: dict[str, np.ndarray], block_ids: list[int], num_tokens: int,
+                 copies: PageCopies | None = None) -> list[memoryview]:
     """The kvstore pages of blocks, in one copy: hosts[name] is a layer's plane on the
     host ([num_blocks, H, block_size, row bytes], host_readable of the pool's planes).
     Returns read-only views of one buffer allocated here, the last page possibly
-    shorter (capture and pages_from_blocks)."""
+    shorter (capture and pages_from_blocks). With `copies`, the copies are only added
+    to it: the pages hold their bytes once the caller ran it."""
     size = spec.block_size_tokens
     rows = np.empty((len(block_ids), spec.block_nbytes), dtype=np.uint8)
-    copies, pages = PageCopies(), []
+    run = PageCopies() if copies is None else copies
+    pages = []
     for index, block in enumerate(block_ids):
         count = min(size, num_tokens - index * size)
-        regions = page_regions(spec, count)
-        targets = page_targets(rows[index], regions)
-        copies.add_pairs((targets[n], h[block, :, :count]) for n, h in hosts.items())
+        targets = page_targets(rows[index], page_regions(spec, count))
+        run.add_pairs((targets[n], h[block, :, :count]) for n, h in hosts.items())
         pages.append(memoryview(rows[index, : spec.page_nbytes(count)]).toreadonly())
-    copies.run()
+    if copies is None:
+        run.run()
     return pages
 
 

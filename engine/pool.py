@@ -166,24 +166,47 @@ class BlockPool:
 
     def write_pages(self, blocks: list[int], pages: list, counts: list[int]) -> None:
         """Pages (bytes, page layout, counts[i] tokens each) into whole blocks, for
-        device backends: copied into the reused host staging buffer laid out as blocks,
-        then one host -> device transfer and one scatter per plane."""
+        device backends: copied into the reused host staging buffer, one contiguous
+        [len(blocks), H, block_size, row bytes] run per plane, then one host -> device
+        transfer per plane and a slice update per run of consecutive block ids (MLX's
+        CUDA scatter moved about 1 GB/s on an H200; slice updates run at copy speed),
+        or one scatter when the ids are scattered."""
         for block in blocks:
             assert self._refs[block] == 1, f"write into block {block} with {self._refs[block]} refs"
         spec = self.spec
-        full = page_regions(spec, spec.block_size_tokens)  # a block's planes, in its row
-        rows = self._staging.rows(len(blocks), spec.block_nbytes)
+        n = len(blocks)
+        full = page_regions(spec, spec.block_size_tokens)  # a block's planes
+        staging = self._staging.rows(1, n * spec.block_nbytes)[0]
+        segments, at = {}, 0
+        for r in full:  # plane r of every block: [n, H, block_size, row bytes]
+            segments[r.name] = staging[at : at + n * r.nbytes].reshape(n, r.heads, r.tokens, r.row_nbytes)
+            at += n * r.nbytes
         copies = PageCopies()
-        for row, page, count in zip(rows, pages, counts, strict=True):
-            copies.add(page, page_regions(spec, count), {
-                r.name: row[r.start : r.start + r.nbytes].reshape(r.heads, r.tokens, r.row_nbytes)[:, :count]
-                for r in full})
+        for index, (page, count) in enumerate(zip(pages, counts, strict=True)):
+            copies.add(page, page_regions(spec, count),
+                       {name: seg[index, :, :count] for name, seg in segments.items()})
         copies.run()
-        staged = mx.array(rows)  # one transfer: [len(blocks), block bytes] u8
-        ids = mx.array(blocks, dtype=mx.int32)
-        for r in full:
-            dtype = spec.plane_dtypes[r.name]
-            plane = staged[:, r.start : r.start + r.nbytes]
-            plane = plane if dtype == mx.uint8 else plane.view(dtype)
-            self.planes[r.name][ids] = plane.reshape(len(blocks), r.heads, r.tokens, -1)
+        runs = _consecutive_runs(blocks)
+        ids = mx.array(blocks, dtype=mx.int32) if len(runs) > 4 else None
+        for name, segment in segments.items():
+            dtype = spec.plane_dtypes[name]
+            moved = mx.array(segment)  # one transfer per plane
+            plane = moved if dtype == mx.uint8 else moved.view(dtype)
+            if ids is not None:
+                self.planes[name][ids] = plane
+                continue
+            for first, start, count in runs:
+                self.planes[name][first : first + count] = plane[start : start + count]
         mx.eval(self.planes)
+
+
+def _consecutive_runs(blocks: list[int]) -> list[tuple[int, int, int]]:
+    """(first block id, index in `blocks`, length) of each run of consecutive ids."""
+    runs = []
+    for index, block in enumerate(blocks):
+        if runs and runs[-1][0] + runs[-1][2] == block:
+            first, start, count = runs[-1]
+            runs[-1] = (first, start, count + 1)
+        else:
+            runs.append((block, index, 1))
+    return runs

@@ -102,12 +102,14 @@ class PublishResult:
     checkpoint: str | None = None
 
 
-def _capture_paged(cache: PagedKVCache, spec: PageSpec, num_tokens: int) -> LayerCapture:
-    """The cache's first num_tokens tokens, read from the pool in one copy."""
+def _capture_paged(cache: PagedKVCache, spec: PageSpec, num_tokens: int,
+                   copies: PageCopies) -> LayerCapture:
+    """The cache's first num_tokens tokens, read from the pool in one copy (added to
+    `copies`: the pages hold their bytes once it ran)."""
     if cache.spec != spec:
         raise FormatMismatch(f"cache pages are {cache.spec}, the identity says {spec}")
     blocks = list(cache.block_ids[: -(-num_tokens // spec.block_size_tokens)])
-    return LayerCapture(spec, pages_from_blocks(spec, cache.pool.planes, blocks, num_tokens),
+    return LayerCapture(spec, pages_from_blocks(spec, cache.pool.planes, blocks, num_tokens, copies),
                         num_tokens)
 
 
@@ -131,7 +133,7 @@ def _stock_planes(cache, spec: PageSpec) -> dict[str, mx.array]:
     return {"k": cache.keys, "v": cache.values}
 
 
-def _capture_stock(cache, spec: PageSpec, num_tokens: int) -> LayerCapture:
+def _capture_stock(cache, spec: PageSpec, num_tokens: int, copies: PageCopies) -> LayerCapture:
     """A KVCache's or QuantizedKVCache's first num_tokens tokens, as they are, in one
     copy: each block's token range of each [1, H, capacity, width] array, read where
     the array lies (engine/pagecopy.py), into one host buffer of pages."""
@@ -146,14 +148,13 @@ def _capture_stock(cache, spec: PageSpec, num_tokens: int) -> LayerCapture:
                                  f"tokens, {expected[1]}] ({spec.format.name})")
         hosts[name] = host_readable(array if direct_writes() else array[:, :, :num_tokens])[0]
     rows = np.empty((n_blocks, spec.block_nbytes), dtype=np.uint8)
-    copies, pages = PageCopies(), []
+    pages = []
     for index in range(n_blocks):
         lo = index * size
         count = min(size, num_tokens - lo)
         targets = page_targets(rows[index], page_regions(spec, count))
         copies.add_pairs((targets[n], h[:, lo : lo + count]) for n, h in hosts.items())
         pages.append(memoryview(rows[index, : spec.page_nbytes(count)]).toreadonly())
-    copies.run()
     return LayerCapture(spec, pages, num_tokens)
 
 
@@ -177,18 +178,20 @@ def capture(identity: FormatIdentity, tokens: Sequence[int], caches: Sequence,
     _check_conversion(identity, caches, len(tokens))
     specs = page_specs(identity)
     layers, extra = [], {}
+    copies = PageCopies()  # every layer's, run together on one set of threads
     for index, (cache, spec) in enumerate(zip(caches, specs)):
         if spec is None:
             if attachments:
                 extra[f"layer.{index}"] = encode_attachment(cache)
             continue
         if isinstance(cache, PagedKVCache):
-            layers.append(_capture_paged(cache, spec, len(tokens)))
+            layers.append(_capture_paged(cache, spec, len(tokens), copies))
         elif isinstance(cache, (KVCache, QuantizedKVCache)):
-            layers.append(_capture_stock(cache, spec, len(tokens)))
+            layers.append(_capture_stock(cache, spec, len(tokens), copies))
         else:
             raise FormatMismatch(f"layer {index} is a full-attention layer with a "
                                  f"{type(cache).__name__}, which has no pages")
+    copies.run()
     return Capture(identity, tokens, layers, extra)
 
 

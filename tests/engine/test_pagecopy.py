@@ -80,3 +80,21 @@ def test_page_regions_tile_the_page():
         assert regions[0].start == 0
         assert all(a.start + a.nbytes == b.start for a, b in zip(regions, regions[1:]))
         assert regions[-1].start + regions[-1].nbytes == spec.page_nbytes(tokens)
+
+
+@pytest.mark.parametrize("fragmented", [False, True])
+def test_the_staging_path_writes_the_same_blocks(fragmented, monkeypatch):
+    """BlockPool.write_pages (a backend whose arrays the host cannot see): consecutive
+    block ids go by slice updates, scattered ones (more than 4 runs) by one scatter."""
+    monkeypatch.setattr("engine.cache.direct_writes", lambda: False)
+    spec = spec_of("k8v4")
+    pool = BlockPool(spec, 16)
+    if fragmented:  # free every other block, so the restore gets 1, 3, 5, ...
+        taken = pool.allocate(16)
+        pool.decref(taken[1::2])
+    pages = random_pages(spec, 4 * 5 + 1, seed=3)
+    cache = PagedKVCache.from_pages(pool, pages)
+    ids = list(cache.block_ids)
+    assert ids == ([1, 3, 5, 7, 9, 11] if fragmented else list(range(6)))
+    got = pages_from_blocks(spec, pool.planes, ids, cache.offset)
+    assert [bytes(p) for p in got] == pages
