@@ -78,7 +78,7 @@ def test_page_regions_tile_the_page():
         regions = page_regions(spec, tokens)
         assert [r.name for r in regions] == list(spec.plane_names)
         assert regions[0].start == 0
-        assert all(a.start + a.nbytes == b.start for a, b in zip(regions, regions[1:]))
+        assert all(a.start + a.nbytes == b.start for a, b in zip(regions, regions[1:], strict=False))
         assert regions[-1].start + regions[-1].nbytes == spec.page_nbytes(tokens)
 
 
