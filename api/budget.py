@@ -9,9 +9,11 @@ decoded copies for zstd pages; only the copies cost memory.
 How: before a read opens its pages it reserves their raw total (the api cannot tell
 which are compressed before the store decodes them), from its principal's share
 (max_read_decoded_nbytes_per_token) and from the global budget
-(max_read_decoded_nbytes). Once the store has yielded the pages, the reservation is
-cut to the bytes that really are decoded copies, and those stay reserved until the
-response has sent its last byte. A read larger than one principal's share is a 413
+(max_read_decoded_nbytes). Once the pages are open, the reservation is cut to the raw
+bytes of the zstd pages, and those stay reserved until the response has sent its last
+byte. The stream decodes them while it sends them, 1 MiB at a time
+(kvstore/pagestream.py), so what a read holds in memory is one piece; the budget
+bounds the decode work in flight (CPU, and the time a read transaction stays open). A read larger than one principal's share is a 413
 (split it; kvstore.client reads in batches of 256 MiB); a read that finds the budget
 full waits up to read_budget_wait_s (10 s), then is a 503 busy with Retry-After, which
 RemoteStore retries. The anonymous principal of a server without tokens is its only

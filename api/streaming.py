@@ -8,6 +8,10 @@ server's transport may keep a reference to what it was given after send() return
 and a reference into the map must not outlive the transaction. No buffer larger than
 CHUNK_NBYTES is ever built, whatever the batch size.
 
+A zstd page comes as a kvstore.pagestream.DeferredPage (verified, not yet decoded) and
+is decoded here while it is sent, CHUNK_NBYTES at a time: a stream holds at most one
+decoded piece and one body, whatever its pages' sizes (issue 23, read amplification).
+
 A client too slow to take the stream within its deadline (STREAM_MIN_BYTES_PER_S,
 at least STREAM_MIN_S) is cut off, so a stalled reader cannot pin a read transaction
 (and with it LMDB's free pages and the map's growth) for ever.
@@ -18,6 +22,7 @@ from __future__ import annotations
 import anyio
 from starlette.responses import Response
 
+from kvstore.pagestream import DeferredPage
 from kvstore.wire import PAGE_STREAM_MEDIA_TYPE, frame_head, stream_end, stream_header
 
 CHUNK_NBYTES = 1 << 20
@@ -57,7 +62,10 @@ class PageStreamResponse(Response):
         total = 0
         for digest, view in zip(self.digests, self.views, strict=True):
             yield frame_head(digest, len(view))
-            yield view
+            if isinstance(view, DeferredPage):  # decoded now, one piece at a time
+                yield from view.pieces(CHUNK_NBYTES)
+            else:
+                yield view
             total += len(view)
         yield stream_end(len(self.digests), total)
 

@@ -16,6 +16,8 @@ from api.schemas import HEX64_PATTERN, DigestList, MissingPages, PagePut, PageSi
 from api.settings import Settings
 from api.streaming import PageStreamResponse
 from kvstore.ids import PageDigest
+from kvstore.pagestream import open_streamed_pages
+from kvstore.protocol import IndexedStore
 from kvstore.wire import PAGE_STREAM_MEDIA_TYPE, parse_stream, stream_nbytes
 
 router = APIRouter(prefix="/v1/pages", tags=["pages"])
@@ -99,7 +101,8 @@ async def get_pages(request: Request, body: DigestList, store: StoreDep,
     """Read pages as one binary stream. Every page is verified before the first byte
     is sent, so any failure (404, integrity 500) is a JSON error, never a cut stream.
     The bytes decoded for zstd pages count against the caller's and the server's
-    decode budgets (api/budget.py): 413 past the caller's share, 503 busy when full."""
+    decode budgets (api/budget.py): 413 past the caller's share, 503 busy when full.
+    zstd pages are decoded while they are sent, 1 MiB at a time (kvstore/pagestream.py)."""
     digests = _parse(body.digests, settings)
     sizes = await run_in_threadpool(store.page_nbytes, digests)
     if sum(sizes) > settings.max_batch_nbytes:
@@ -107,8 +110,9 @@ async def get_pages(request: Request, body: DigestList, store: StoreDep,
                               f"{settings.max_batch_nbytes}. Split the request")
     opened = {}
 
-    def open_batch():  # one threadpool hop: verify (and decode) everything
-        context = store.get_pages(digests)
+    def open_batch():  # one threadpool hop: verify everything; zstd pages decode as sent
+        context = (open_streamed_pages(store, digests) if isinstance(store, IndexedStore)
+                   else store.get_pages(digests))
         views = context.__enter__()
         opened["context"] = context  # from here on, someone must exit it
         return context, views
@@ -128,7 +132,8 @@ async def get_pages(request: Request, body: DigestList, store: StoreDep,
         slots.release()
     try:
         context, views = await run_in_threadpool(open_batch)
-        # zero-copy views of the map cost nothing; decoded copies stay reserved
+        # zero-copy views of the map cost nothing; zstd pages (decoded as they are sent)
+        # stay reserved: the budget bounds the decode work in flight
         budget.shrink(grant, sum(len(v) for v in views if not isinstance(v, memoryview)))
     except BaseException:  # also a cancellation that lands after the thread finished
         if "context" in opened:
