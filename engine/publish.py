@@ -31,18 +31,25 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from engine.attachments import encode_attachment, token_offset
 from engine.cache import PagedKVCache
 from engine.errors import FormatMismatch, InvalidRequest, MixedComputation, OffsetMismatch
 from engine.formats import PageSpec, page_specs, pages_from_blocks
-from engine.pagecopy import PageCopies, direct_writes, host_readable, page_regions, page_targets
+from engine.pagecopy import (
+    CAPTURE_BUFFERS,
+    PageCopies,
+    direct_writes,
+    host_readable,
+    page_regions,
+    page_targets,
+)
 from engine.stock import conversion_offset
 from kvstore.errors import MissingReferences
 from kvstore.format import FormatIdentity
 from kvstore.ids import ROOT_KEY, chain_key, page_digest
+from kvstore.pages import PageBatch
 from kvstore.protocol import PageWriter
 from kvstore.records import BlockRecord, Checkpoint
 
@@ -147,7 +154,7 @@ def _capture_stock(cache, spec: PageSpec, num_tokens: int, copies: PageCopies) -
                                  f"the identity says {spec.plane_dtypes[name]} [1, {expected[0]}, "
                                  f"tokens, {expected[1]}] ({spec.format.name})")
         hosts[name] = host_readable(array if direct_writes() else array[:, :, :num_tokens])[0]
-    rows = np.empty((n_blocks, spec.block_nbytes), dtype=np.uint8)
+    rows = CAPTURE_BUFFERS.take(n_blocks * spec.block_nbytes).reshape(n_blocks, -1)
     pages = []
     for index in range(n_blocks):
         lo = index * size
@@ -251,11 +258,17 @@ def upload(store, cap: Capture, *, namespace: str = DEFAULT_NAMESPACE,
         _check_same_computation(store, cap, keys[:first_new])
     records, payload = [], {}
     parent = keys[first_new - 1] if first_new else ROOT_KEY
+    # every page hashed once, by kvstore, on all cores; a Store trusts these digests
+    new = [(layer.page(i), layer.spec.format.name) for i in range(first_new, len(keys))
+           for layer in cap.layers]
+    new += [(data, None) for data in (cap.attachments.values() if checkpoint is not None else ())]
+    batch = PageBatch.hash([data for data, _ in new], [fmt for _, fmt in new])
+    names = iter(batch.digests)
     for i in range(first_new, len(keys)):
         digests = []
         for layer in cap.layers:
             data = layer.page(i)
-            digest = page_digest(data)
+            digest = next(names)
             payload[digest] = data
             digests.append(digest)
         record = BlockRecord(fid, namespace, parent, chunks[i], tuple(digests),
@@ -265,10 +278,10 @@ def upload(store, cap: Capture, *, namespace: str = DEFAULT_NAMESPACE,
     attachment_digests = {}
     if checkpoint is not None:
         for name, data in cap.attachments.items():
-            digest = page_digest(data)
+            digest = next(names)
             payload[digest] = data
             attachment_digests[name] = digest
-    sent = _send(store, payload, records)
+    sent = _send(store, batch, records)
     if checkpoint is not None:
         store.create_checkpoint(Checkpoint(checkpoint, namespace, fid, tokens, tuple(keys),
                                            attachment_digests, metadata or {}), replace=True)
@@ -292,13 +305,13 @@ def _check_same_computation(store, cap: Capture, keys: list) -> None:
                 "namespace")
 
 
-def _send(store, payload: dict, records: list[BlockRecord]) -> list:
+def _send(store, batch: PageBatch, records: list[BlockRecord]) -> list:
     """missing -> put_pages -> commit_blocks. A page collected between missing() and the
     commit (eviction, or a GC past its grace) makes the commit refuse; send again once."""
     for attempt in range(2):
-        absent = store.missing(list(payload)) if payload else []
+        absent = store.missing(list(dict.fromkeys(batch.digests))) if len(batch) else []
         if absent:
-            store.put_pages([(d, payload[d]) for d in absent])
+            store.put_pages(batch.only(absent))
         try:
             if records:
                 store.commit_blocks(records)

@@ -4,13 +4,15 @@ pass is a speed claim: tools/bench/store.py measures it, no test times it.)"""
 
 from __future__ import annotations
 
+import gc
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from engine.cache import PagedKVCache
 from engine.formats import FORMATS, PageSpec, pages_from_blocks
-from engine.pagecopy import PageCopies, direct_writes, host_readable, host_view, page_regions
+from engine.pagecopy import HostBuffers, PageCopies, direct_writes, host_readable, host_view, page_regions
 from engine.pool import BlockPool
 
 
@@ -98,3 +100,27 @@ def test_the_staging_path_writes_the_same_blocks(fragmented, monkeypatch):
     assert ids == ([1, 3, 5, 7, 9, 11] if fragmented else list(range(6)))
     got = pages_from_blocks(spec, pool.planes, ids, cache.offset)
     assert [bytes(p) for p in got] == pages
+
+
+def test_a_capture_buffer_is_reused_only_after_every_view_of_it_is_gone():
+    buffers = HostBuffers(max_nbytes=1 << 20)
+    first = buffers.take(4096)
+    first[:] = 7
+    view = memoryview(first[100:200]).toreadonly()  # what a capture hands out
+    del first
+    gc.collect()
+    assert buffers.idle_nbytes == 0, "recycled while a page view still points into it"
+    second = buffers.take(4096)
+    second[:] = 1
+    assert bytes(view) == bytes([7]) * 100
+    del view, second
+    gc.collect()
+    assert buffers.idle_nbytes == 4096 * 2  # both back; the next take reuses one
+    third = buffers.take(4096)
+    assert buffers.idle_nbytes == 4096
+    del third
+    gc.collect()
+    big = buffers.take(1 << 20)
+    del big
+    gc.collect()
+    assert buffers.idle_nbytes <= 1 << 20  # the oldest dropped past max_nbytes
