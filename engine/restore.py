@@ -23,7 +23,11 @@ is allocated:
      decision comes back in Restored.decision with no cache and nothing allocated;
   4. pages are read zero-copy from the LMDB map for a local Store (each verified
      against its hash on read) or fetched into buffers from a RemoteStore, and copied
-     once into freshly allocated pool blocks (or stock mlx-lm caches).
+     once, on worker threads, straight into freshly allocated pool blocks or into one
+     array per plane and layer of the stock mlx-lm caches (host views of MLX memory,
+     engine/pagecopy.py). Nothing is evaluated afterwards but what is still lazy (a
+     native layer quantized on restore): a paged layer's state is a gather of its
+     whole history, which nobody reads.
 
 Targets (cache_kind) by page format; every other pairing is refused with
 IncompatibleFormat (and its diff) in step 1, before anything is allocated:
