@@ -428,7 +428,10 @@ class RemoteStore:
         restore stays off the network) and replayed to the server in the background,
         so it still records the use: LRU order and hit statistics. That is the store's
         own contract for touches (kept in memory, written later; losing one only ages
-        the LRU order). A replay the server refuses is kept in last_replay_error."""
+        the LRU order). A replay the server refuses is kept in last_replay_error. The
+        namespace's chain salt is asked of the server first (chain_salt): a namespace
+        the token may not access is AccessDenied at once, and a salted one is looked
+        up over HTTP (the read-only local Store holds no salts)."""
         request = {"format_id": _format_id_bytes(format_id).hex(), "namespace": namespace,
                    "tokens": [int(t) for t in tokens], "max_tokens": max_tokens}
         # the local map's Store holds no salts: a salted namespace is looked up over HTTP
