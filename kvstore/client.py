@@ -377,7 +377,10 @@ class RemoteStore:
         /v1/namespaces/{namespace}/chain-salt; a token learns only its own namespace's),
         asked once per namespace and kept for this client's life."""
         if namespace not in self._salts:
-            body = self._get(f"/v1/namespaces/{_segment(check_namespace(namespace))}/chain-salt")
+            try:
+                body = self._get(f"/v1/namespaces/{_segment(check_namespace(namespace))}/chain-salt")
+            except NotFound:  # a server older than salts: every namespace is unsalted
+                body = {}
             salt = body.get("salt")
             self._salts[namespace] = check_chain_salt(bytes.fromhex(salt)) if salt else None
         return self._salts[namespace]

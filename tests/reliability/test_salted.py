@@ -230,3 +230,15 @@ def test_a_salted_namespace_round_trips_engine_publish_and_restore(salted_servic
     other = restore(engine_model, store, RestoreRequest(tokens + [1], namespace="team-a"))
     assert other.tokens_restored == 0
     assert store.check().ok
+
+
+def test_a_server_older_than_salts_is_read_as_unsalted():
+    """A RemoteStore against a server without the chain-salt route (404) keys every
+    namespace unsalted, as that server does."""
+    import httpx
+
+    def handler(request):
+        return httpx.Response(404, json={"code": "not_found", "message": "Not Found"})
+    client = httpx.Client(base_url="http://old", transport=httpx.MockTransport(handler))
+    with RemoteStore("http://old", None, client=client) as remote:
+        assert remote.chain_salt("team-b") is None
