@@ -242,3 +242,49 @@ def test_a_server_older_than_salts_is_read_as_unsalted():
     client = httpx.Client(base_url="http://old", transport=httpx.MockTransport(handler))
     with RemoteStore("http://old", None, client=client) as remote:
         assert remote.chain_salt("team-b") is None
+
+
+# -- the S3 tier: a salted namespace through the bucket (tests/kvstore/test_s3_tier.py's
+# Ceph fixtures; skipped loudly there when Ceph is unavailable)
+from tests.kvstore.test_s3_tier import ceph, tier  # noqa: E402,F401 - pytest fixtures
+
+
+def test_a_salted_namespace_travels_through_the_s3_tier(tmp_path, tier):  # noqa: F811
+    from kvstore.tier import TieredStore
+    from kvstore.tier.bucket import Bucket
+
+    salts = {"team-b": SALT_B}
+    opened = []
+
+    def host(name, chain_salts):
+        local = Store(tmp_path / name, StoreConfig(map_nbytes=TINY_MAP_NBYTES, chain_salts=chain_salts))
+        opened.append(TieredStore(local, tier()))
+        return opened[-1]
+    try:
+        a, b, bare = host("a", salts), host("b", salts), host("bare", {})
+        records = _save(a, "team-b", PROMPT_B, checkpoint="secret")
+        assert a.drain(30)
+        fid, bs = IDENTITY.format_id, IDENTITY.block_size_tokens
+        # B, with the salt, finds the prompt through the bucket and reads it back
+        match = b.lookup_prefix(fid, "team-b", PROMPT_B)
+        assert match.tokens_matched == len(PROMPT_B)
+        assert match.chain_keys == [r.key for r in records]
+        assert b.get_checkpoint("team-b", "secret").chain_keys == tuple(r.key for r in records)
+        assert b.check().ok
+        # the bucket's object names are salted keys: a guess without the salt names none
+        bucket = Bucket(tier())
+        try:
+            names = {o.key.rsplit("/", 1)[-1] for o in bucket.list(a.layout.kind_prefix("blocks"))}
+        finally:
+            bucket.close()
+        assert {r.key.hex() for r in records} <= names
+        assert not names & {k.hex() for k in chain_keys(fid, "team-b", PROMPT_B, bs)}
+        # a host without the salt computes the public keys: nothing matches
+        assert bare.lookup_prefix(fid, "team-b", PROMPT_B).tokens_matched == 0
+        # the bucket's GC decodes salted records with the store's salts: the pinned
+        # prompt is kept
+        plan = a.plan_remote_gc(grace_s=0)
+        assert plan.marked_blocks >= len(records)
+    finally:
+        for store in opened:
+            store.close()  # closes its local store too
