@@ -382,6 +382,8 @@ class LmdbEnv:
             env.reader_check()
         if not freeing:
             self._check_headroom(what, need_nbytes)
+        if need_nbytes:
+            self._grow_for(need_nbytes)
         while True:
             with self._lock.shared():
                 try:
@@ -471,6 +473,21 @@ class LmdbEnv:
             f"eviction and GC) of its map limit of {self.max_map_nbytes} bytes; nothing was "
             "written. Delete checkpoints, run `kvstore evict` and `kvstore gc`, or raise "
             "max_map_nbytes")
+
+    def _grow_for(self, need_nbytes: int) -> None:
+        """Grow the map before a write expected to add need_nbytes, so a large save does
+        not fill it, abort and run again once per doubling (each attempt copies every
+        page). LMDB's B-tree pages come on top of the values: a quarter is allowed."""
+        want = self.used_nbytes() + need_nbytes + need_nbytes // 4
+        if want <= self.map_nbytes():
+            return
+        with self._lock.exclusive():
+            current = self._env.info()["map_size"]
+            target = current
+            while target < want and target < self.max_map_nbytes:
+                target = min(max(target * 2, 1 << 20), self.max_map_nbytes)
+            if target > current:
+                self._env.set_mapsize(target)
 
     def _adopt_grown_map(self):
         with self._lock.exclusive():

@@ -21,6 +21,9 @@ any dtype without a copy.
 
 zstd is used only where it saves at least `min_saving` of the bytes. Whether to try
 is decided on a 64 KiB sample, so incompressible pages (most KV data) pay ~0.1 ms.
+Where the page format is known (a PageBatch carries it), the decision is taken once
+per format in a put, on its first page, and never tried for packed or quantised
+formats (their codes are high-entropy: zstd saves a few percent at most).
 The default, 35%, keeps bf16 KV pages raw: zstd saves them only ~20-25% (the exponent
 bits), and decompressing at a few hundred MB/s would cost a restore more than the
 disk it saves; zero runs, padding and repetitive attachments still compress. Set
@@ -29,15 +32,18 @@ min_saving lower to trade restore speed for disk.
 
 from __future__ import annotations
 
+import os
 import struct
-from dataclasses import dataclass
-from typing import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
 
 import blake3
 import xxhash
 import zstandard
 
 from kvstore.errors import DigestMismatch, InvalidInput
+from kvstore.format import MLX_AFFINE_FORMATS, PACKED_FORMATS
 from kvstore.ids import PageDigest
 
 MAGIC = b"KVP1"
@@ -50,6 +56,9 @@ CODEC_NAMES = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd"}
 SAMPLE_NBYTES = 64 * 1024
 MAX_PAGE_NBYTES = 256 * 1024 * 1024
 BLAKE3_THREADS_FROM = 1 << 20  # pages this large are hashed on several threads
+HASH_WORKERS = os.cpu_count() or 1  # hash_pages: one thread per core (blake3 drops the GIL)
+# never tried with zstd: packed and quantised codes (see the module docstring)
+NEVER_COMPRESSED_FORMATS = frozenset(PACKED_FORMATS) | frozenset(MLX_AFFINE_FORMATS)
 
 
 def hash_page(data) -> PageDigest:
@@ -58,18 +67,107 @@ def hash_page(data) -> PageDigest:
     return PageDigest(blake3.blake3(data, max_threads=threads).digest())
 
 
+def _hash_one(data) -> PageDigest:
+    return PageDigest(blake3.blake3(data).digest())
+
+
+def hash_pages(buffers: Sequence, workers: int | None = None) -> list[PageDigest]:
+    """Each page's name, in order, on `workers` threads (default HASH_WORKERS): one page
+    per thread at a time, so many pages use every core; a single page uses hash_page's
+    own threads."""
+    workers = min(workers or HASH_WORKERS, len(buffers))
+    if workers <= 1:
+        return [hash_page(b) for b in buffers]
+    with ThreadPoolExecutor(workers, thread_name_prefix="kvstore-hash") as pool:
+        return list(pool.map(_hash_one, buffers, chunksize=max(1, len(buffers) // (4 * workers))))
+
+
 def verified_pages(pages: Mapping | Iterable[tuple]) -> list[tuple[PageDigest, object]]:
-    """(digest, bytes) pairs from {digest: bytes} or pairs, every digest recomputed.
-    One mismatch raises DigestMismatch before the caller writes or sends anything."""
+    """(digest, bytes) pairs from {digest: bytes} or pairs, every digest recomputed (on
+    HASH_WORKERS threads). One mismatch raises DigestMismatch before the caller writes
+    or sends anything."""
     items = list(pages.items()) if isinstance(pages, Mapping) else list(pages)
-    checked = []
-    for claimed, data in items:
-        digest = PageDigest.coerce(claimed)
-        actual = hash_page(data)
-        if actual != digest:
-            raise DigestMismatch(digest.hex(), actual.hex())
-        checked.append((digest, data))
-    return checked
+    claimed = [PageDigest.coerce(d) for d, _ in items]
+    actual = hash_pages([data for _, data in items])
+    for digest, got in zip(claimed, actual, strict=True):
+        if got != digest:
+            raise DigestMismatch(digest.hex(), got.hex())
+    return [(digest, data) for digest, (_, data) in zip(claimed, items, strict=True)]
+
+
+_SEAL = object()
+
+
+@dataclass(frozen=True)
+class PageBatch:
+    """Pages whose digests kvstore computed itself, in this process (PageBatch.hash):
+    the in-process save path. Store.put_pages takes one without hashing the pages
+    again; every other store (RemoteStore, TieredStore) and every client digest is
+    still verified, since a PageBatch iterates as (digest, bytes) pairs.
+
+    It assumes what it can check: page buffers are immutable (bytes, or read-only
+    views of memory their owner no longer writes, as a capture's pages are), so the
+    bytes a put writes are the bytes hash() named. page_formats (optional, one per
+    page: a LayerSpec.page_format, or None for attachments) let the store decide zstd
+    once per format (see the module docstring)."""
+
+    digests: tuple[PageDigest, ...]
+    buffers: tuple
+    page_formats: tuple[str | None, ...]
+    seal: object = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        assert self.seal is _SEAL, "a PageBatch is made by PageBatch.hash(), which names the pages"
+        assert len(self.digests) == len(self.buffers) == len(self.page_formats)
+
+    @classmethod
+    def hash(cls, buffers: Sequence, page_formats: Sequence[str | None] | None = None, *,
+             workers: int | None = None) -> "PageBatch":
+        buffers = tuple(buffers)
+        formats = tuple(page_formats) if page_formats is not None else (None,) * len(buffers)
+        if len(formats) != len(buffers):
+            raise InvalidInput(f"{len(buffers)} pages but {len(formats)} page formats")
+        for i, b in enumerate(buffers):
+            if not memoryview(b).readonly:
+                raise InvalidInput(f"page {i} is a writable buffer; a PageBatch holds immutable "
+                                   "pages (bytes or read-only views), so what is stored is "
+                                   "what was hashed")
+        return cls(tuple(hash_pages(buffers, workers)), buffers, formats, _SEAL)
+
+    def __len__(self) -> int:
+        return len(self.digests)
+
+    def __iter__(self):
+        """(digest, bytes) pairs: what every store's put_pages takes."""
+        return iter(zip(self.digests, self.buffers, strict=True))
+
+    def only(self, digests: Iterable) -> "PageBatch":
+        """The pages named by `digests` (each once, in that order): what missing() left."""
+        at = {d: i for i, d in enumerate(self.digests)}
+        try:
+            picked = [at[PageDigest.coerce(d)] for d in dict.fromkeys(digests)]
+        except KeyError as exc:
+            raise InvalidInput(f"page {exc.args[0]!s:.16} is not in this batch") from None
+        return PageBatch(tuple(self.digests[i] for i in picked),
+                         tuple(self.buffers[i] for i in picked),
+                         tuple(self.page_formats[i] for i in picked), _SEAL)
+
+    def zstd_decisions(self, policy: "Compression") -> list[bool | None]:
+        """Per page: False (never tried: packed format, or its format's first page did
+        not compress), True (its format's first page did), or None (no format known:
+        encode_page samples the page itself)."""
+        decided: dict[str, bool] = {}
+        out: list[bool | None] = []
+        for fmt, data in zip(self.page_formats, self.buffers, strict=True):
+            if fmt is None or not policy.enabled:
+                out.append(None if policy.enabled else False)
+            elif fmt in NEVER_COMPRESSED_FORMATS:
+                out.append(False)
+            else:
+                if fmt not in decided:
+                    decided[fmt] = len(data) >= 256 and _worth_compressing(data, policy)
+                out.append(decided[fmt])
+        return out
 
 
 @dataclass(frozen=True)
@@ -116,14 +214,19 @@ class Compression:
             raise InvalidInput("min_saving must be in [0, 1)")
 
 
-def encode_page(raw, policy: Compression, digest: bytes | None = None) -> tuple[bytes, bytes]:
+def encode_page(raw, policy: Compression, digest: bytes | None = None, *,
+                try_zstd: bool | None = None) -> tuple[bytes, bytes]:
     """raw page bytes -> (header, stored bytes). stored may be `raw` itself (no copy).
-    `digest` (the page's name) is bound into the header; the store always passes it."""
+    `digest` (the page's name) is bound into the header; the store always passes it.
+    try_zstd: None samples this page (see _worth_compressing); False stores it raw;
+    True compresses it whole (kept only if it saves min_saving)."""
     nbytes = len(raw)
     if nbytes > MAX_PAGE_NBYTES:
         raise InvalidInput(f"page of {nbytes} bytes exceeds the {MAX_PAGE_NBYTES}-byte page limit")
     stored, codec = raw, CODEC_RAW
-    if policy.enabled and nbytes >= 256 and _worth_compressing(raw, policy):
+    if try_zstd is None:
+        try_zstd = policy.enabled and nbytes >= 256 and _worth_compressing(raw, policy)
+    if try_zstd and policy.enabled and nbytes >= 256:
         frame = zstandard.ZstdCompressor(level=policy.level, write_content_size=True).compress(raw)
         if len(frame) <= nbytes * (1.0 - policy.min_saving):
             stored, codec = frame, CODEC_ZSTD

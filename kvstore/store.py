@@ -62,6 +62,7 @@ from kvstore.lmdbenv import (
 from kvstore.pages import (
     HEADER_NBYTES,
     Compression,
+    PageBatch,
     accounted_nbytes,
     decode_stored,
     encode_page,
@@ -72,11 +73,16 @@ from kvstore.pages import (
 from kvstore.records import BlockRecord, Checkpoint, checkpoint_key
 
 STORE_SCHEMA_VERSION = 1
-PUT_BATCH_NBYTES = 64 << 20  # LMDB caps dirty pages per transaction; batch page writes
+# One commit per save up to these: each commit is an fdatasync (ten 64 MiB batches cost
+# ~1 s of syncs at 512 MiB, issue 19). What the cap buys: LMDB holds a transaction's
+# dirty pages in memory (up to PUT_BATCH_NBYTES of copies), and its dirty list holds
+# 2^17 entries (one per overflow run, so per page past ~2 KiB: PUT_BATCH_PAGES).
+PUT_BATCH_NBYTES = 1 << 30
+PUT_BATCH_PAGES = 32768
 TOUCH_FLUSH_S = 10.0
 EVICT_BATCH_BLOCKS = 1024  # blocks per eviction transaction at most (see Store.evict)
 __all__ = ["Store", "StoreConfig", "StoreStats", "PutResult", "CommitResult", "PrefixMatch",
-           "EvictionReport", "hash_page", "verified_pages", "format_id_bytes", "now_ns",
+           "EvictionReport", "hash_page", "verified_pages", "PageBatch", "format_id_bytes", "now_ns",
            "COUNTERS", "STORE_SCHEMA_VERSION"]  # some defined in kvstore/pages.py, index.py
 
 
@@ -273,14 +279,24 @@ class Store:
             self.index.write(refresh, what="refreshing page grace times", buffers=True)
         return absent
 
-    def put_pages(self, pages: Mapping | Iterable[tuple]) -> PutResult:
+    def put_pages(self, pages: PageBatch | Mapping | Iterable[tuple]) -> PutResult:
         """Store pages given as {digest: bytes} or (digest, bytes) pairs. Every digest is
         recomputed first; one mismatch refuses the whole call with DigestMismatch and
-        nothing is written. Idempotent. Durable when it returns."""
-        checked = verified_pages(pages)
+        nothing is written. A PageBatch (kvstore/pages.py: digests this process's
+        kvstore computed, PageBatch.hash) is not hashed again, and zstd is decided once
+        per page format in it. Idempotent. Durable when it returns: one commit (one
+        fdatasync) for up to PUT_BATCH_NBYTES / PUT_BATCH_PAGES of pages."""
+        policy = self.config.compression
+        if isinstance(pages, PageBatch):
+            checked = list(pages)
+            decisions = pages.zstd_decisions(policy)
+        else:
+            checked = verified_pages(pages)
+            decisions = [None] * len(checked)
         new = existing = stored_total = 0
-        for batch in _batches(checked, PUT_BATCH_NBYTES):
-            encoded = [(d, *encode_page(data, self.config.compression, d)) for d, data in batch]
+        for batch in _batches(list(zip(checked, decisions, strict=True)), PUT_BATCH_NBYTES,
+                              PUT_BATCH_PAGES):
+            encoded = [(d, *encode_page(data, policy, d, try_zstd=z)) for (d, data), z in batch]
             need = sum(HEADER_NBYTES + len(stored) for _, _, stored in encoded)
             n, e, s = self.index.write(lambda index: index.write_pages(encoded),
                                        what="storing pages", buffers=True, need_nbytes=need)
@@ -588,14 +604,16 @@ def format_id_bytes(format_id) -> bytes:
     raise InvalidInput(f"not a format id: {format_id!r:.80}")
 
 
-def _batches(items: list, max_nbytes: int):
+def _batches(items: list, max_nbytes: int, max_pages: int):
+    """items: ((digest, data), zstd decision); runs of at most max_nbytes / max_pages."""
     batch, size = [], 0
     for item in items:
-        if batch and size + len(item[1]) > max_nbytes:
+        nbytes = len(item[0][1])
+        if batch and (size + nbytes > max_nbytes or len(batch) >= max_pages):
             yield batch
             batch, size = [], 0
         batch.append(item)
-        size += len(item[1])
+        size += nbytes
     if batch:
         yield batch
 
