@@ -175,8 +175,8 @@ class BlockRecord:
                 raise InvalidInput(
                     f"a block of namespace {ns!r} is keyed by a chain salt this reader was not "
                     "given: open the store with that namespace's salt (StoreConfig.chain_salts; "
-                    "the service and the CLI read it from the tokens file's [[namespace]] "
-                    "chain_salt)")
+                    "the service reads them from its tokens file's [[namespace]] tables, and "
+                    "POST /v1/admin/check checks such a store)")
         at += nslen
         tokens = tokens_from_bytes(raw[at : at + 4 * ntok])
         at += 4 * ntok
