@@ -423,6 +423,46 @@ class SegmentFiles:
             os.close(fd)
 
 
+@dataclass(frozen=True)
+class SegmentAudit:
+    """What audit() found; check --read-data reports each as a problem (schema 2).
+      damaged   (digest, location, reason): an index entry whose record fails
+      past_end  (digest, location): an index entry beyond its segment's file or tail
+      orphans   (segment, offset, digest): an intact record no index entry names
+                (crash leftovers and dead records GC has not punched yet)"""
+
+    damaged: tuple = ()
+    past_end: tuple = ()
+    orphans: tuple = ()
+
+    @property
+    def clean(self) -> bool:
+        return not (self.damaged or self.past_end or self.orphans)
+
+
+def audit(files: SegmentFiles, locations: dict[bytes, Location],
+          tails: dict[int, int] | None = None) -> SegmentAudit:
+    """Verify every indexed record and scan every segment for records the index does
+    not name. locations: digest -> Location (the pages index); tails: segment -> the
+    committed tail (records past it are unreachable; None: the file's end)."""
+    tails = tails or {}
+    damaged, past_end = [], []
+    named: set[tuple[int, int]] = set()
+    for digest, loc in locations.items():
+        limit = min(files.file_nbytes(loc.segment), tails.get(loc.segment, 1 << 63))
+        if loc.offset + loc.length > limit:
+            past_end.append((digest, loc))
+            continue
+        named.add((loc.segment, loc.offset))
+        try:
+            files.read_verified(loc, digest)
+        except ValueError as exc:
+            damaged.append((digest, loc, str(exc)))
+    orphans = [(segment, r.offset, r.digest) for segment in files.segments()
+               for r in files.scan(segment) if (segment, r.offset) not in named]
+    return SegmentAudit(tuple(damaged), tuple(past_end), tuple(orphans))
+
+
 _libc = None
 
 

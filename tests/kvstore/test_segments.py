@@ -254,3 +254,35 @@ def test_verify_record_checks_a_compressed_record(tmp_path):
     header, body = verify_record(files.view(loc), rec.digest, loc)
     assert decode_stored(header, body) == data
     files.close()
+
+
+def test_audit_names_damaged_records_entries_past_the_end_and_orphans(tmp_path):
+    from kvstore.segments import audit
+
+    files = SegmentFiles(tmp_path, SMALL)
+    recs = [pending(page(3000, i)) for i in range(4)]
+    locs = files.append(recs)
+    files.sync()
+    index = {r.digest: loc for r, loc in zip(recs[:3], locs[:3], strict=True)}  # 4th: orphan
+    assert audit(files, index).orphans == ((0, locs[3].offset, recs[3].digest),)
+    with open(files.path(0), "r+b") as f:  # damage inside the second record's body
+        f.seek(locs[1].offset + RECORD_HEADER_NBYTES + 100)
+        f.write(b"\x00\xff")
+    files.close()
+    files = SegmentFiles(tmp_path, SMALL)
+    ghost = pending(page(10, 9))
+    index[ghost.digest] = Location(0, SMALL, 200)  # past the segment's end
+    index[b"\x01" * 32] = Location(3, 0, 200)     # a segment that does not exist
+    report = audit(files, index, tails={0: locs[3].end})
+    assert [d for d, _, _ in report.damaged] == [recs[1].digest]
+    assert "xxh3" in report.damaged[0][2]
+    assert {d for d, _ in report.past_end} == {ghost.digest, b"\x01" * 32}
+    # the damaged record is still named (not an orphan); the 4th still is one
+    assert [o[2] for o in report.orphans] == [recs[3].digest]
+    short_tail = audit(files, {recs[0].digest: locs[0], recs[2].digest: locs[2]},
+                       tails={0: locs[1].end})
+    assert [d for d, _ in short_tail.past_end] == [recs[2].digest]
+    clean = audit(files, {recs[0].digest: locs[0], recs[3].digest: locs[3]})
+    assert not clean.damaged and not clean.past_end
+    assert [o[2] for o in clean.orphans] == [recs[1].digest, recs[2].digest]  # damaged or not
+    files.close()
