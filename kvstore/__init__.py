@@ -21,7 +21,8 @@ Nouns:
               PageWriter, StoreAdmin, and capabilities such as maps_pages.
 """
 
-from kvstore.errors import (  # noqa: F401
+from kvstore.client import RemoteStore
+from kvstore.errors import (
     IncompatibleFormat,
     IntegrityError,
     InvalidInput,
@@ -30,3 +31,23 @@ from kvstore.errors import (  # noqa: F401
     StoreCorrupt,
     StoreFull,
 )
+from kvstore.format import FormatIdentity, LayerSpec
+from kvstore.records import blocks_for_tokens
+from kvstore.store import Store
+
+# The public surface, pinned (tests/kvstore/test_surface.py): the two stores, the format
+# identity and its layer record, the block builder, and the errors callers catch.
+__all__ = [
+    "FormatIdentity",
+    "IncompatibleFormat",
+    "IntegrityError",
+    "InvalidInput",
+    "KVStoreError",
+    "LayerSpec",
+    "NotFound",
+    "RemoteStore",
+    "Store",
+    "StoreCorrupt",
+    "StoreFull",
+    "blocks_for_tokens",
+]
