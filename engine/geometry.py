@@ -11,14 +11,23 @@ Per cache entry (one per entry of mlx-lm's cache list, not per config layer: mod
 share KV across layers build fewer caches, and one entry per cache stores shared KV
 once) the engine records:
 
-  kind        "full"     a KVCache the model updates once per token: one page per block
+  kind        "full"     a KVCache the model updates once per token and touches only
+                         through its methods: one page per block
               "sliding"  a RotatingKVCache (window = max_size) or a ChunkedKVCache
                          (window = chunk_size, llama4): an attachment
-              "state"    an ArraysCache (recurrent state: Mamba, linear attention), a
-                         CacheList (its sub-caches travel together), or a KVCache the
-                         model does not update exactly once per token: an attachment
-  cache_class the mlx-lm class name (part of the fingerprint)
+              "state"    an ArraysCache (recurrent state: Mamba, linear attention), or a
+                         KVCache the model does not update exactly once per token, or
+                         whose keys/values it reads or writes itself (deepseek_v32's
+                         indexer cache): an attachment
+  cache_class the mlx-lm class name (part of the fingerprint); a sub-cache of a
+              CacheList is named by its place, "CacheList[1].KVCache"
   kv_heads, k_head_dim, v_head_dim, window
+
+A CacheList (one model layer keeping several caches: an MLA cache and an indexer cache,
+a Mamba state and a KVCache) is flattened into its sub-caches, depth first: each is an
+entry of its own, so a full-attention KVCache inside one is paged like any other and
+its siblings travel as attachments. leaf_caches(caches) gives that flat list of a
+model's cache list, with_leaves(caches, leaves) puts a flat list back in its places.
 
 A cache class outside mlx-lm's registered ones (engine/attachments.py CACHE_CLASSES) is
 refused by name (UnsupportedModel), never guessed.
@@ -34,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import sys
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache
@@ -158,35 +168,123 @@ def probe_geometry(model: nn.Module) -> ModelGeometry:
     return geometry
 
 
+def leaf_caches(caches) -> list:
+    """A model's cache list with every CacheList replaced by its sub-caches, depth first:
+    one entry per LayerGeometry of the model (the module docstring)."""
+    out = []
+    for cache in caches:
+        if isinstance(cache, CacheList):
+            out.extend(leaf_caches(cache.caches))
+        else:
+            out.append(cache)
+    return out
+
+
+def with_leaves(caches, leaves) -> list:
+    """caches (a model's cache list) with its leaves (leaf_caches order) replaced by
+    `leaves`; each CacheList keeps its identity and gets the new sub-caches. Returns the
+    top-level list (a new list; the CacheLists are updated in place)."""
+    leaves = list(leaves)
+    at = 0
+
+    def place(items):
+        nonlocal at
+        out = []
+        for cache in items:
+            if isinstance(cache, CacheList):
+                cache.caches = tuple(place(cache.caches))
+                out.append(cache)
+            else:
+                out.append(leaves[at])
+                at += 1
+        return out
+
+    result = place(caches)
+    assert at == len(leaves), f"{len(leaves)} leaves for a cache list of {at}"
+    return result
+
+
+def _leaf_names(caches) -> list[str]:
+    """cache_class per leaf: the class name, a CacheList's k-th sub-cache prefixed
+    "CacheList[k]." (nested ones repeat it)."""
+    names = []
+    for cache in caches:
+        if isinstance(cache, CacheList):
+            names.extend(f"CacheList[{k}].{name}" for k, child in enumerate(cache.caches)
+                         for name in _leaf_names([child]))
+            continue
+        names.append(type(cache).__name__)
+    return names
+
+
+def _own_code(cls) -> set:
+    """The code objects of cls's own methods and properties (and its bases' in mlx-lm):
+    an access to keys/values from anywhere else is the model's own."""
+    codes = set()
+    for klass in cls.__mro__:
+        for value in vars(klass).values():
+            for fn in ((value.fget, value.fset) if isinstance(value, property) else
+                       (getattr(value, "__func__", value),)):
+                code = getattr(fn, "__code__", None)
+                if code is not None:
+                    codes.add(code)
+    return codes
+
+
+class _WatchedKVCache(KVCache):
+    """A probe's KVCache that records whether anything outside KVCache's own methods
+    reads or writes its keys or values (a PagedKVCache holds neither)."""
+
+    _OWN = None
+
+    def __getattribute__(self, name):
+        if name in ("keys", "values"):
+            _WatchedKVCache._note(self)
+        return object.__getattribute__(self, name)
+
+    def __setattr__(self, name, value):
+        if name in ("keys", "values"):
+            _WatchedKVCache._note(self)
+        object.__setattr__(self, name, value)
+
+    @staticmethod
+    def _note(cache) -> None:
+        if _WatchedKVCache._OWN is None:
+            _WatchedKVCache._OWN = _own_code(KVCache)
+        if sys._getframe(2).f_code not in _WatchedKVCache._OWN:
+            object.__setattr__(cache, "_touched", True)
+
+
 def _probe(model: nn.Module, config: dict) -> ModelGeometry:
-    caches = make_prompt_cache(model)
+    top = make_prompt_cache(model)
+    caches = leaf_caches(top)
+    names = _leaf_names(top)
     calls: dict[int, list[tuple]] = {}
 
     def record(cache):
-        if isinstance(cache, CacheList):
-            for child in cache.caches:
-                record(child)
-            return
         original = getattr(cache, "update_and_fetch", None)
         if original is None:
             return
+        if type(cache) is KVCache:
+            cache.__class__ = _WatchedKVCache  # this probe's caches only
+            object.__setattr__(cache, "_touched", False)
 
         def update_and_fetch(keys, values, *args, **kwargs):
             calls.setdefault(id(cache), []).append(
                 (tuple(keys.shape), tuple(values.shape), keys.dtype))
             return original(keys, values, *args, **kwargs)
 
-        cache.update_and_fetch = update_and_fetch  # this probe's caches only
+        object.__setattr__(cache, "update_and_fetch", update_and_fetch)
 
     for cache in caches:
         record(cache)
     try:
-        logits = model(mx.array([[0]], dtype=mx.int32), cache=caches)
+        logits = model(mx.array([[0]], dtype=mx.int32), cache=top)
     except Exception as exc:  # the model's own error, named
         raise UnsupportedModel(f"a one-token forward of the model failed: "
                                f"{type(exc).__name__}: {exc}") from exc
-    layers = tuple(_layer(index, cache, calls.get(id(cache), []))
-                   for index, cache in enumerate(caches))
+    layers = tuple(_layer(index, cache, calls.get(id(cache), []), name)
+                   for index, (cache, name) in enumerate(zip(caches, names, strict=True)))
     dtypes = [c[0][2] for c in calls.values() if c]
     full = [calls[id(c)][0][2] for c, g in zip(caches, layers) if g.kind == "full"]
     kv_dtype = (full or dtypes or [_parameter_dtype(model)])[0]
@@ -200,37 +298,26 @@ def _probe(model: nn.Module, config: dict) -> ModelGeometry:
                                               "moe_intermediate_size")) or 4 * hidden)
 
 
-def _layer(index: int, cache, calls: list[tuple]) -> LayerGeometry:
-    name = type(cache).__name__
+def _layer(index: int, cache, calls: list[tuple], name: str) -> LayerGeometry:
     heads = k_dim = v_dim = 0
     if calls and len(calls[0][0]) == 4 and len(calls[0][1]) == 4:
         (_, heads, _, k_dim), (_, _, _, v_dim), _ = calls[0]
-    if type(cache) is KVCache:
+    if isinstance(cache, _WatchedKVCache):
         once = len(calls) == 1 and calls[0][0][0] == 1 and calls[0][0][2] == 1 and heads
-        if once:
+        if once and not object.__getattribute__(cache, "_touched"):
             return LayerGeometry("full", heads, k_dim, v_dim, 0, name)
         return LayerGeometry("state", heads, k_dim, v_dim, 0, name)
     if type(cache) is RotatingKVCache:
         return LayerGeometry("sliding", heads, k_dim, v_dim, int(cache.max_size), name)
     if type(cache) is ChunkedKVCache:
         return LayerGeometry("sliding", heads, k_dim, v_dim, int(cache.chunk_size), name)
-    if type(cache) is ArraysCache or type(cache) is CacheList:
-        if type(cache) is CacheList:
-            _require_registered(index, cache)
+    if type(cache) is ArraysCache:
         return LayerGeometry("state", heads, k_dim, v_dim, 0, name)
     raise UnsupportedModel(
-        f"cache {index} is a {type(cache).__module__}.{name}, which the engine does not "
-        "know how to store: only mlx-lm's KVCache, RotatingKVCache, ChunkedKVCache, "
-        "ArraysCache and CacheList of them are registered (engine/attachments.py)")
-
-
-def _require_registered(index: int, cache: CacheList) -> None:
-    for child in cache.caches:
-        if isinstance(child, CacheList):
-            _require_registered(index, child)
-        elif type(child) not in (KVCache, RotatingKVCache, ChunkedKVCache, ArraysCache):
-            raise UnsupportedModel(f"cache {index} is a CacheList holding a "
-                                   f"{type(child).__name__}, which the engine does not store")
+        f"cache {index} ({name}) is a {type(cache).__module__}.{type(cache).__name__}, "
+        "which the engine does not know how to store: only mlx-lm's KVCache, "
+        "RotatingKVCache, ChunkedKVCache, ArraysCache and CacheList of them are "
+        "registered (engine/attachments.py)")
 
 
 def _first_int(config: dict, names) -> int:

@@ -2,8 +2,9 @@
 
 It mirrors what mlx-lm builds (make_prompt_cache(model): model.make_cache() when the
 model has one, else one KVCache per layer) and swaps each full-attention KVCache (the
-probe of engine/geometry.py says which) for a PagedKVCache in that layer's BlockPool.
-Sliding-window, chunked and recurrent layers keep mlx-lm's caches.
+probe of engine/geometry.py says which) for a PagedKVCache in that layer's BlockPool,
+inside a CacheList too (its sub-caches are layers of their own). Sliding-window, chunked
+and recurrent layers keep mlx-lm's caches.
 
 Paged attention is turned on per model only after a load-time check
 (check_paged_attention: a short forward through paged caches with the router, compared
@@ -36,7 +37,7 @@ from engine.formats import (
     require_paged,
     resolve_format,
 )
-from engine.geometry import layer_geometry, probe_geometry
+from engine.geometry import layer_geometry, leaf_caches, probe_geometry, with_leaves
 from engine.policy import KVPolicy
 from engine.pool import BlockPool
 from kvstore.format import FormatIdentity
@@ -138,12 +139,14 @@ def _check(model: nn.Module) -> PagedAttentionCheck:
     policy = KVPolicy(block_size_tokens=CHECK_BLOCK_TOKENS)
     routed_by = tuple(model_modules(model))
     blocks = -(-(CHECK_PROMPT_TOKENS + CHECK_DECODE_STEPS) // CHECK_BLOCK_TOKENS)
-    stock, paged = make_prompt_cache(model), make_prompt_cache(model)
+    stock, paged_top = make_prompt_cache(model), make_prompt_cache(model)
+    paged = leaf_caches(paged_top)  # one per geometry layer (CacheLists flattened)
     for index, layer in enumerate(geometry.layers):
         if layer.kind == "full":
             pool = BlockPool(page_spec_for(layer, fmt, policy), blocks)
             paged[index] = PagedKVCache(pool, attention_impl="reference")
             paged[index].routed_by = routed_by
+    paged = with_leaves(paged_top, paged)
     tokens = [(7 * i + 3) % geometry.vocab_size for i in range(CHECK_PROMPT_TOKENS)]
     steps = [tokens] + [[(11 * i + 5) % geometry.vocab_size] for i in range(CHECK_DECODE_STEPS)]
     try:
@@ -176,7 +179,8 @@ def make_cache(model: nn.Module, policy: KVPolicy | None = None, *, model_id: st
     """
     policy = policy or KVPolicy()
     geometry = layer_geometry(model)
-    stock = make_prompt_cache(model)
+    top = make_prompt_cache(model)
+    stock = leaf_caches(top)  # CacheLists flattened: one per geometry layer
     if len(stock) != len(geometry):  # the probe saw the same make_cache
         raise UnsupportedModel(f"the model built {len(stock)} caches, its probe "
                                f"{len(geometry)}")
@@ -198,4 +202,4 @@ def make_cache(model: nn.Module, policy: KVPolicy | None = None, *, model_id: st
         caches.append(cache)
     if grant is not None:
         grant.bind(caches)
-    return caches
+    return with_leaves(top, caches)

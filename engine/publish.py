@@ -37,6 +37,7 @@ from engine.attachments import encode_attachment, token_offset
 from engine.cache import PagedKVCache
 from engine.errors import FormatMismatch, InvalidRequest, MixedComputation, OffsetMismatch
 from engine.formats import PageSpec, page_specs, pages_from_blocks
+from engine.geometry import leaf_caches
 from engine.pagecopy import (
     CAPTURE_BUFFERS,
     PageCopies,
@@ -167,7 +168,8 @@ def _capture_stock(cache, spec: PageSpec, num_tokens: int, copies: PageCopies) -
 
 def capture(identity: FormatIdentity, tokens: Sequence[int], caches: Sequence,
             *, attachments: bool = False) -> Capture:
-    """Copy what publishing `tokens` needs out of `caches` (one per model layer).
+    """Copy what publishing `tokens` needs out of `caches` (the model's cache list; each
+    CacheList counts as its sub-caches, engine/geometry.py leaf_caches).
 
     Without attachments, the paged layers must hold at least len(tokens) tokens and only
     that many are taken: the first n tokens of a full-attention layer are the K/V of the
@@ -178,6 +180,7 @@ def capture(identity: FormatIdentity, tokens: Sequence[int], caches: Sequence,
     than stored with layers at different offsets; publish the tokens the cache holds
     (the prompt and the generated tokens fed back) instead.
     """
+    caches = leaf_caches(caches)  # a CacheList's sub-caches are layers of their own
     if len(caches) != len(identity.layers):
         raise InvalidRequest(f"{len(caches)} caches for a format of {len(identity.layers)} layers")
     tokens = tuple(int(t) for t in tokens)
@@ -329,6 +332,6 @@ def publish(engine_model: EngineModel, store: PageWriter, tokens: Sequence[int],
     """Capture and upload in the caller's thread, under the engine model's identity for
     the caches' conversion history (engine/stock.py). For write-behind use
     WriteBehindPublisher.submit(capture(engine_model.identity, tokens, caches))."""
-    identity = engine_model.identity_for(conversion_offset(caches))
+    identity = engine_model.identity_for(conversion_offset(leaf_caches(caches)))
     cap = capture(identity, tokens, caches, attachments=checkpoint is not None)
     return upload(store, cap, namespace=namespace, checkpoint=checkpoint, metadata=metadata)

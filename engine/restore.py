@@ -66,6 +66,7 @@ from engine.cache import PagedKVCache
 from engine.engine_model import EngineModel, check_pools
 from engine.errors import FormatMismatch, InvalidRequest, OffsetMismatch, PoolExhausted
 from engine.formats import PAGED_FORMATS, PageSpec, page_specs
+from engine.geometry import leaf_caches, with_leaves
 from engine.models import default_attention_impl
 from engine.pagecopy import PageCopies, StagingBuffer, direct_writes, host_view, page_regions
 from engine.publish import DEFAULT_NAMESPACE
@@ -302,13 +303,13 @@ def restore(engine_model: EngineModel, store: PageReader, request: RestoreReques
         if engine_model.resident is not None and blocks:
             restored_tokens = [t for b in blocks for t in b.tokens]
             engine_model.resident.register(identity, request.namespace, restored_tokens,
-                                           result.cache)
+                                           leaf_caches(result.cache))
     except BaseException:
         if grant is not None:
             grant.close()
         raise
     if grant is not None:
-        grant.bind(result.cache)
+        grant.bind(leaf_caches(result.cache))
         grant.staging_done()  # _build evaluated every page into the pools
         result.decision, result.grant = decision, grant
     _assert_one_offset(result)
@@ -357,7 +358,7 @@ def _assert_one_offset(result: Restored) -> None:
     exactly tokens_restored. Anything else is a broken invariant (a checkpoint whose
     layers were captured at different offsets would continue differently from
     recompute), so it fails loudly instead of being served."""
-    offsets = [token_offset(c) for c in result.cache]
+    offsets = [token_offset(c) for c in leaf_caches(result.cache)]
     assert all(o is None or o == result.tokens_restored for o in offsets), (
         f"restore of {result.tokens_restored} tokens ({result.source} "
         f"{result.checkpoint or ''}) left the layers at offsets {offsets}")
@@ -493,7 +494,8 @@ def _build(engine_model: EngineModel, store: PageReader, plan: _Plan,
     fetched = blocks[shared:]
     digests = [d for b in fetched for d in b.pages]
     attachment_names = sorted(ckpt.attachments) if ckpt is not None else []
-    caches = _fresh(engine_model, plan, grant)
+    top = _fresh(engine_model, plan, grant)
+    caches = leaf_caches(top)  # one per identity layer (CacheLists flattened)
     paged = identity.paged_layers
     copies = PageCopies()
     with _pages(store, digests + [ckpt.attachments[n] for n in attachment_names]) as views:
@@ -510,7 +512,7 @@ def _build(engine_model: EngineModel, store: PageReader, plan: _Plan,
     # What is still lazy (a native layer quantized on restore) is evaluated here; a paged
     # layer's state is a gather of its whole history, which nothing reads: not evaluated.
     mx.eval([c.state for c in caches if isinstance(c, QuantizedKVCache)])
-    return Restored(caches, plan.tokens, len(blocks), nbytes,
+    return Restored(with_leaves(top, caches), plan.tokens, len(blocks), nbytes,
                     "checkpoint" if ckpt is not None else "prefix",
                     ckpt.name if ckpt is not None else None, resident_blocks=shared)
 

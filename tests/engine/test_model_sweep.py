@@ -187,6 +187,43 @@ def test_unserved_types_still_fail(model_type, store):
     assert not isinstance(raised.value, AssertionError), raised.value  # a wrong result
 
 
+def test_cachelist_sub_caches_are_layers_of_their_own(store):
+    """falcon_h1 keeps CacheList(ArraysCache, KVCache) per layer: its KVCaches are paged
+    layers (pages in every block record), its ArraysCaches checkpoint attachments, and a
+    paged restore puts both back into the model's CacheLists."""
+    model = build("falcon_h1")
+    engine_model = EngineModel(model, "sweep/cachelist/falcon_h1",
+                               policy=KVPolicy(block_size_tokens=BLOCK_TOKENS))
+    assert [layer.paged for layer in engine_model.identity.layers] == [False, True, False, True]
+    prompt = [(7 * i + 3) % VOCAB for i in range(PROMPT_TOKENS)]
+    head = prompt[:-1]
+    with installed(model):
+        caches = engine_model.make_cache()
+        assert [[type(c).__name__ for c in cache.caches] for cache in caches] == [
+            ["ArraysCache", "PagedKVCache"]] * 2
+        mx.eval(model(mx.array([head], dtype=mx.int32), cache=caches))
+        publish(engine_model, store, head, caches, checkpoint="cachelist")
+        want = _continue(model, caches, prompt[-1:], DECODE_TOKENS)
+        ckpt = store.get_checkpoint("default", "cachelist")
+        assert sorted(ckpt.attachments) == ["layer.0", "layer.2"]
+        assert [len(b.pages) for b in store.get_blocks(ckpt.chain_keys)] == [2] * len(ckpt.chain_keys)
+        restored = restore(engine_model, store, RestoreRequest(prompt, cache_kind="paged"))
+        assert restored.tokens_restored == len(head)
+        assert [[type(c).__name__ for c in cache.caches] for cache in restored.cache] == [
+            ["ArraysCache", "PagedKVCache"]] * 2
+        assert _equal(want, _continue(model, restored.cache, prompt[-1:], DECODE_TOKENS))
+
+
+def test_a_kvcache_whose_arrays_the_model_touches_is_not_paged():
+    """deepseek_v32 reads and sets its caches' keys itself (mx.depends, the indexer's
+    zero values), which a PagedKVCache does not hold: every sub-cache is an attachment.
+    longcat_flash only calls update_and_fetch: every sub-cache is paged."""
+    from engine.geometry import probe_geometry
+
+    assert {g.kind for g in probe_geometry(build("deepseek_v32")).layers} == {"state"}
+    assert {g.kind for g in probe_geometry(build("longcat_flash")).layers} == {"full"}
+
+
 def main(argv) -> None:
     """Print the supported-models table (markdown) of docs/engine.md."""
     import tempfile

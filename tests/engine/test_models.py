@@ -104,7 +104,10 @@ def test_geometry_is_probed_without_model_args():
     model = build("baichuan_m1")  # carries .config, no .args (the old rules crashed)
     assert not hasattr(model, "args")
     geometry = probe_geometry(model)
-    assert [g.cache_class for g in geometry.layers] == ["CacheList", "CacheList"]
+    # two CacheLists, flattened into their sub-caches (a sliding and a full layer)
+    assert [(g.kind, g.cache_class) for g in geometry.layers] == [
+        ("state", "CacheList[0].ArraysCache"), ("sliding", "CacheList[1].RotatingKVCache"),
+        ("state", "CacheList[0].ArraysCache"), ("full", "CacheList[1].KVCache")]
     assert geometry.config["model_type"] == "baichuan_m1"
     assert probe_geometry(model) is geometry  # once per model object
     assert len(model_fingerprint(model)) == 64
