@@ -6,6 +6,15 @@ kvstore.client.RemoteStore); both implement the same store protocol, so a comman
 body never asks which one it holds, except where a read has no HTTP route yet (those
 say so and carry on with what they can show).
 
+Chain salts. A store with salted namespaces (docs/api.md "Tenants") is opened with the
+same tokens file the service reads: --tokens-file, or KVSTORE_TOKENS_FILE as for
+`kvstore serve`; its [[namespace]] chain salts go into StoreConfig.chain_salts through
+api.auth.chain_salts_from_settings, the service's own loader. Opened without salts, a
+store that holds salted block records is refused in one line that says so (exit 2)
+rather than reported record by record; finding out costs one pass over the block
+records' flag bytes (about a second per million blocks), and only when no salts were
+given.
+
 Exit codes (the same for every command; docs/operations.md lists them):
 
     0  ok
@@ -93,6 +102,10 @@ UrlOption = typer.Option(
 TokenOption = typer.Option(
     None, "--token", envvar="KVSTORE_TOKEN", show_envvar=True,
     help="bearer token for --url (admin commands need the admin token)")
+TokensFileOption = typer.Option(
+    None, "--tokens-file", envvar="KVSTORE_TOKENS_FILE", show_envvar=True,
+    help="the service's tokens file: its [[namespace]] chain salts open a store with "
+         "salted namespaces (local stores only)")
 JsonOption = typer.Option(False, "--json", help="print one JSON document on stdout for scripts")
 
 
@@ -103,6 +116,7 @@ class Target:
     data_dir: Optional[Path]
     url: Optional[str]
     token: Optional[str]
+    tokens_file: Optional[Path] = None  # chain salts for a local store (ignored with url)
 
     @property
     def remote(self) -> bool:
@@ -112,11 +126,39 @@ class Target:
         return self.url if self.remote else str(self.data_dir or DEFAULT_DATA_DIR)
 
 
-def target(data_dir: Optional[Path], url: Optional[str], token: Optional[str]) -> Target:
+def target(data_dir: Optional[Path], url: Optional[str], token: Optional[str],
+           tokens_file: Optional[Path] = None) -> Target:
     from_env = os.environ.get("KVSTORE_DIR")
     if url and data_dir and not (from_env and Path(from_env) == Path(data_dir)):
         fail("pass --data-dir or --url, not both", EXIT_USAGE)
-    return Target(None if url else data_dir, url or None, token or None)
+    return Target(None if url else data_dir, url or None, token or None, tokens_file or None)
+
+
+def chain_salts(tokens_file: Optional[Path]):
+    """The ChainSalts of the service's tokens file (none without one), read by the
+    service's own loader so the CLI and `kvstore serve` cannot disagree."""
+    from api.auth import chain_salts_from_settings
+    from api.settings import Settings
+    from kvstore.ids import ChainSalts
+
+    if tokens_file is None:
+        return ChainSalts()
+    try:
+        return chain_salts_from_settings(Settings(tokens_file=tokens_file))
+    except FileNotFoundError:
+        fail(f"no tokens file at {tokens_file} (--tokens-file / KVSTORE_TOKENS_FILE)", EXIT_NOT_FOUND)
+    except (ValueError, OSError, KVStoreError) as exc:  # tomllib and pydantic errors are ValueErrors
+        fail(f"bad tokens file {tokens_file}: {' '.join(str(exc).split())}", EXIT_USAGE)
+
+
+def count_salted_blocks(store) -> int:
+    """How many block records of a local store are keyed by a chain salt (the record's
+    flag bit, docs/format.md section 5); one pass over the block records."""
+    from kvstore.records import BLOCK_FLAG_SALTED
+
+    with store.index.read() as index:
+        return sum(1 for _, value in index.block_records()
+                   if len(value) > 1 and value[1] & BLOCK_FLAG_SALTED)
 
 
 @contextmanager
@@ -132,14 +174,22 @@ def open_store(where: Target, *, write: bool = False, create: bool = False) -> I
         with store_errors(), RemoteStore(where.url, where.token) as store:
             yield store
         return
-    from kvstore.store import Store
+    from kvstore.store import Store, StoreConfig
 
     path = Path(where.data_dir or DEFAULT_DATA_DIR)
     if not (path / "data.mdb").exists() and not create:
         fail(f"no store at {path} (pass --data-dir, set KVSTORE_DIR, or --url)", EXIT_NOT_FOUND)
+    salts = chain_salts(where.tokens_file)
     with store_errors():
-        store = Store(path, readonly=not write)
+        store = Store(path, StoreConfig(chain_salts=salts), readonly=not write)
     try:
+        if not salts:
+            with store_errors():
+                salted = count_salted_blocks(store)
+            if salted:
+                fail(f"{salted:,} block record(s) in {path} are keyed by a namespace's chain salt "
+                     "and no salts were given: pass --tokens-file with the service's tokens file "
+                     "(or set KVSTORE_TOKENS_FILE)", EXIT_USAGE)
         yield store
     finally:
         store.close()

@@ -20,6 +20,7 @@ from tools.commands.common import (
     DataDirOption,
     JsonOption,
     TokenOption,
+    TokensFileOption,
     UrlOption,
     emit_json,
     escape,
@@ -52,7 +53,8 @@ def ls(
     reverse: bool = typer.Option(False, "--reverse", "-r", help="reverse the order"),
     limit: int = typer.Option(0, "--limit", min=0, help="show at most this many rows (0: all)"),
     data_dir: Optional[Path] = DataDirOption, url: Optional[str] = UrlOption,
-    token: Optional[str] = TokenOption, as_json: bool = JsonOption,
+    token: Optional[str] = TokenOption, tokens_file: Optional[Path] = TokensFileOption,
+    as_json: bool = JsonOption,
 ) -> None:
     """List checkpoints and stored prefixes.
 
@@ -66,7 +68,7 @@ def ls(
         fail(f"--kind must be checkpoint, prefix or all, not {kind!r}", EXIT_USAGE)
     if sort not in SORT_KEYS:
         fail(f"--sort must be one of {', '.join(SORT_KEYS)}, not {sort!r}", EXIT_USAGE)
-    with open_store(target(data_dir, url, token)) as store, store_errors():
+    with open_store(target(data_dir, url, token, tokens_file)) as store, store_errors():
         rows, notes = inventory.entries(store, prefixes=kind != "checkpoint")
     rows = [e for e in rows
             if (kind == "all" or e.kind == kind)
@@ -102,7 +104,8 @@ def show(
                                help="a checkpoint (namespace/)name, a block chain key, a page digest or a format id (64 hex)"),
     namespace: Optional[str] = typer.Option(None, "--namespace", "-n", help="namespace of a checkpoint NAME (default: search all)"),
     data_dir: Optional[Path] = DataDirOption, url: Optional[str] = UrlOption,
-    token: Optional[str] = TokenOption, as_json: bool = JsonOption,
+    token: Optional[str] = TokenOption, tokens_file: Optional[Path] = TokensFileOption,
+    as_json: bool = JsonOption,
 ) -> None:
     """Show one checkpoint, block, page or format in full.
 
@@ -112,7 +115,7 @@ def show(
 
         kvstore show default/system-prompt-v3
     """
-    with open_store(target(data_dir, url, token)) as store, store_errors():
+    with open_store(target(data_dir, url, token, tokens_file)) as store, store_errors():
         raw = inventory.parse_hex32(what)
         doc = None
         if raw is not None:
@@ -298,7 +301,8 @@ DiffOption = typer.Option(None, "--diff", metavar="ID",
 def formats(
     diff_ids: Optional[list[str]] = DiffOption,
     data_dir: Optional[Path] = DataDirOption, url: Optional[str] = UrlOption,
-    token: Optional[str] = TokenOption, as_json: bool = JsonOption,
+    token: Optional[str] = TokenOption, tokens_file: Optional[Path] = TokensFileOption,
+    as_json: bool = JsonOption,
 ) -> None:
     """List the format identities the store knows, or diff two of them.
 
@@ -308,7 +312,7 @@ def formats(
 
         kvstore formats --diff 3f2a --diff 9c01
     """
-    with open_store(target(data_dir, url, token)) as store, store_errors():
+    with open_store(target(data_dir, url, token, tokens_file)) as store, store_errors():
         known = store.list_formats()
     if diff_ids:
         if len(diff_ids) != 2:
@@ -357,7 +361,8 @@ def _resolve_format(known: list[FormatIdentity], text: str) -> FormatIdentity:
 def stats(
     top: int = typer.Option(5, "--top", min=0, help="how many of the largest prefixes to list"),
     data_dir: Optional[Path] = DataDirOption, url: Optional[str] = UrlOption,
-    token: Optional[str] = TokenOption, as_json: bool = JsonOption,
+    token: Optional[str] = TokenOption, tokens_file: Optional[Path] = TokensFileOption,
+    as_json: bool = JsonOption,
 ) -> None:
     """Usage against the budget, dedup and compression, hits, eviction and GC history.
 
@@ -367,7 +372,7 @@ def stats(
 
         kvstore stats --url http://127.0.0.1:8700 --json | jq .dedup_ratio
     """
-    with open_store(target(data_dir, url, token)) as store, store_errors():
+    with open_store(target(data_dir, url, token, tokens_file)) as store, store_errors():
         s = store.stats().to_dict()
         rows, notes = inventory.entries(store, prefixes=True)
         history = None

@@ -19,7 +19,9 @@ from tools.commands.common import (
     DataDirOption,
     JsonOption,
     TokenOption,
+    TokensFileOption,
     UrlOption,
+    chain_salts,
     emit_json,
     escape,
     fail,
@@ -44,7 +46,8 @@ def check(
     subset: Optional[str] = typer.Option(None, "--subset", metavar="I/N",
                                          help="with --read-data, read only pages whose first digest byte is I modulo N"),
     data_dir: Optional[Path] = DataDirOption, url: Optional[str] = UrlOption,
-    token: Optional[str] = TokenOption, as_json: bool = JsonOption,
+    token: Optional[str] = TokenOption, tokens_file: Optional[Path] = TokensFileOption,
+    as_json: bool = JsonOption,
 ) -> None:
     """Verify the store and print a typed problem report; exit 0 when clean, 1 otherwise.
 
@@ -61,7 +64,7 @@ def check(
             fail(f"--subset must be I/N with 0 <= I < N, not {subset!r}", EXIT_USAGE)
         parts = (int(match.group(1)), int(match.group(2)))
     started = time.monotonic()
-    with open_store(target(data_dir, url, token)) as store, store_errors():
+    with open_store(target(data_dir, url, token, tokens_file)) as store, store_errors():
         if is_local(store):
             totals = store.stats()
             with progress_bar(not as_json) as bar:
@@ -103,7 +106,8 @@ def gc(
     grace: str = typer.Option("1h", "--grace", metavar="DURATION",
                               help="spare unreferenced pages younger than this (30s, 10m, 1h, 0)"),
     data_dir: Optional[Path] = DataDirOption, url: Optional[str] = UrlOption,
-    token: Optional[str] = TokenOption, as_json: bool = JsonOption,
+    token: Optional[str] = TokenOption, tokens_file: Optional[Path] = TokensFileOption,
+    as_json: bool = JsonOption,
     remote: bool = typer.Option(False, "--remote",
                                 help="collect the S3 tier's bucket instead (KVSTORE_S3_* or --config)"),
     config: Optional[Path] = TierConfigOption,
@@ -120,8 +124,8 @@ def gc(
     """
     grace_s = parse_duration(grace)
     if remote:
-        return _gc_remote(grace_s, dry_run, config, as_json)
-    with open_store(target(data_dir, url, token), write=not dry_run) as store, store_errors():
+        return _gc_remote(grace_s, dry_run, config, tokens_file, as_json)
+    with open_store(target(data_dir, url, token, tokens_file), write=not dry_run) as store, store_errors():
         plan = store.plan_gc(grace_s)
         summary = plan.summary()
         if not as_json:
@@ -149,7 +153,8 @@ def gc(
 def evict(
     to: str = typer.Option(..., "--to", metavar="BYTES", help="target stored size: 4096, 512MiB, 2GB, 1.5GiB"),
     data_dir: Optional[Path] = DataDirOption, url: Optional[str] = UrlOption,
-    token: Optional[str] = TokenOption, as_json: bool = JsonOption,
+    token: Optional[str] = TokenOption, tokens_file: Optional[Path] = TokensFileOption,
+    as_json: bool = JsonOption,
 ) -> None:
     """Evict least-recently-used unpinned blocks until stored bytes fit a budget.
 
@@ -160,7 +165,7 @@ def evict(
         kvstore evict --to 512MiB
     """
     to_nbytes = parse_size(to)
-    with open_store(target(data_dir, url, token), write=True) as store, store_errors():
+    with open_store(target(data_dir, url, token, tokens_file), write=True) as store, store_errors():
         before = store.stats().stored_nbytes
         report = store.evict(to_nbytes)
         after = store.stats().stored_nbytes
@@ -178,24 +183,29 @@ def evict(
                      "(delete some) or shared with them[/yellow]")
 
 
-def _gc_remote(grace_s: float, dry_run: bool, config: Optional[Path], as_json: bool) -> None:
-    """`kvstore gc --remote`: plan (and unless dry_run, sweep) the S3 tier's bucket."""
+def _gc_remote(grace_s: float, dry_run: bool, config: Optional[Path], tokens_file: Optional[Path],
+               as_json: bool) -> None:
+    """`kvstore gc --remote`: plan (and unless dry_run, sweep) the S3 tier's bucket. The
+    bucket's salted block records decode with the chain salts of the tokens file that
+    the service reads (--tokens-file, KVSTORE_TOKENS_FILE or tokens_file in --config)."""
     from api.settings import Settings
     from kvstore.tier import Bucket
     from kvstore.tier.gc import plan_remote_gc
     from kvstore.tier.layout import Layout
 
     try:
-        tier = Settings.load(config).tier_config()
+        settings = Settings.load(config, tokens_file=tokens_file)
+        tier = settings.tier_config()
     except (ValueError, OSError) as exc:
         fail(f"bad settings: {exc}", EXIT_USAGE)
+    salts = chain_salts(settings.tokens_file)
     if tier is None:
         fail("no bucket: set KVSTORE_S3_BUCKET (and KVSTORE_S3_ENDPOINT, credentials) or "
              "s3_bucket in --config", EXIT_USAGE)
     with store_errors():
         bucket = Bucket(tier)
         try:
-            plan = plan_remote_gc(bucket, Layout(tier.prefix), grace_s)
+            plan = plan_remote_gc(bucket, Layout(tier.prefix), grace_s, chain_salts=salts)
             summary = plan.summary()
             if not as_json:
                 stdout.print(f"plan: bucket {summary['bucket']}/{summary['prefix']}: "

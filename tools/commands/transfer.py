@@ -14,6 +14,7 @@ from tools.commands.common import (
     DataDirOption,
     JsonOption,
     TokenOption,
+    TokensFileOption,
     UrlOption,
     emit_json,
     fail,
@@ -36,7 +37,8 @@ def export(
     mlx_lm: bool = typer.Option(False, "--mlx-lm", help="write an mlx-lm prompt-cache file instead (native and mlx-qB formats only)"),
     namespace: Optional[str] = typer.Option(None, "--namespace", "-n", help="namespace of NAME (default: search all)"),
     data_dir: Optional[Path] = DataDirOption, url: Optional[str] = UrlOption,
-    token: Optional[str] = TokenOption, as_json: bool = JsonOption,
+    token: Optional[str] = TokenOption, tokens_file: Optional[Path] = TokensFileOption,
+    as_json: bool = JsonOption,
 ) -> None:
     """Export a checkpoint to one portable safetensors file.
 
@@ -50,7 +52,7 @@ def export(
         fail("mlx-lm prompt-cache files must end in .safetensors (load_prompt_cache needs it)", EXIT_USAGE)
     if not file.parent.is_dir():
         fail(f"no directory {file.parent} to write {file.name} into", EXIT_NOT_FOUND)
-    with open_store(target(data_dir, url, token)) as store, store_errors():
+    with open_store(target(data_dir, url, token, tokens_file)) as store, store_errors():
         ckpt = find_checkpoint(store, name, namespace)
         total = sum(store.page_nbytes([d for r in store.get_blocks(ckpt.chain_keys) for d in r.pages]
                                       + list(ckpt.attachments.values())))
@@ -77,7 +79,8 @@ def import_(
     replace: bool = typer.Option(False, "--replace", help="replace a checkpoint of the same name"),
     verify_only: bool = typer.Option(False, "--verify-only", help="verify the file and write nothing"),
     data_dir: Optional[Path] = DataDirOption, url: Optional[str] = UrlOption,
-    token: Optional[str] = TokenOption, as_json: bool = JsonOption,
+    token: Optional[str] = TokenOption, tokens_file: Optional[Path] = TokensFileOption,
+    as_json: bool = JsonOption,
 ) -> None:
     """Import a portable checkpoint file, verifying every byte before writing any.
 
@@ -97,7 +100,7 @@ def import_(
                "format_id": pf.identity.format_id_hex, "tokens": len(pf.checkpoint.tokens),
                "pages": len(pf.page_nbytes), "page_nbytes": pf.total_page_nbytes}
     else:
-        with open_store(target(data_dir, url, token), write=True, create=True) as store, store_errors():
+        with open_store(target(data_dir, url, token, tokens_file), write=True, create=True) as store, store_errors():
             with progress_bar(not as_json) as bar:
                 task = bar.add_task("import", total=pf.total_page_nbytes or None)
                 doc = portable.import_export(store, pf, name=name, namespace=namespace,
