@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
 from engine.admission import AdmissionRequest, Decision, Grant
 from engine.attachments import decode_attachment, token_offset
@@ -512,9 +512,27 @@ def _build(engine_model: EngineModel, store: PageReader, plan: _Plan,
     # What is still lazy (a native layer quantized on restore) is evaluated here; a paged
     # layer's state is a gather of its whole history, which nothing reads: not evaluated.
     mx.eval([c.state for c in caches if isinstance(c, QuantizedKVCache)])
-    return Restored(with_leaves(top, caches), plan.tokens, len(blocks), nbytes,
+    return Restored(with_leaves(top, _plain_nested(top, caches)), plan.tokens, len(blocks), nbytes,
                     "checkpoint" if ckpt is not None else "prefix",
                     ckpt.name if ckpt is not None else None, resident_blocks=shared)
+
+
+def _plain_nested(top: list, leaves: list) -> list:
+    """leaves with each TrackedKVCache inside a CacheList made mlx-lm's own KVCache (the
+    same arrays): generate_step converts top-level caches only, so nothing is recorded
+    there, and mlx-lm's save_prompt_cache names a CacheList's sub-caches by class, which
+    its load_prompt_cache looks up in mlx_lm.models.cache (engine.stock.to_mlx_lm)."""
+    out, at = list(leaves), 0
+    for cache in top:
+        count = len(leaf_caches([cache]))
+        if isinstance(cache, CacheList):
+            for i in range(at, at + count):
+                if type(out[i]) is TrackedKVCache:
+                    plain = KVCache()
+                    plain.keys, plain.values, plain.offset = out[i].keys, out[i].values, out[i].offset
+                    out[i] = plain
+        at += count
+    return out
 
 
 def _adopt_resident(engine_model: EngineModel, plan: _Plan) -> tuple[int, dict]:

@@ -214,6 +214,29 @@ def test_cachelist_sub_caches_are_layers_of_their_own(store):
         assert _equal(want, _continue(model, restored.cache, prompt[-1:], DECODE_TOKENS))
 
 
+def test_a_restored_cachelist_round_trips_through_mlx_lm_prompt_cache_files(store, tmp_path):
+    """A CacheList restored into stock caches holds mlx-lm's own classes, so mlx-lm's
+    save_prompt_cache / load_prompt_cache (which look sub-caches up by class name in
+    mlx_lm.models.cache) take it, and the loaded cache continues like recompute."""
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    from engine.stock import to_mlx_lm
+
+    model = build("falcon_h1")
+    engine_model = EngineModel(model, "sweep/cachelist/falcon_h1/stock",
+                               policy=KVPolicy(block_size_tokens=BLOCK_TOKENS))
+    prompt = [(5 * i + 2) % VOCAB for i in range(PROMPT_TOKENS)]
+    caches = engine_model.make_stock_cache()
+    mx.eval(model(mx.array([prompt[:-1]], dtype=mx.int32), cache=caches))
+    publish(engine_model, store, prompt[:-1], caches, checkpoint="cachelist-stock")
+    want = _continue(model, caches, prompt[-1:], DECODE_TOKENS)
+    restored = restore(engine_model, store, RestoreRequest(prompt, cache_kind="kvcache"))
+    assert restored.tokens_restored == len(prompt) - 1
+    save_prompt_cache(str(tmp_path / "prompt.safetensors"), to_mlx_lm(restored.cache))
+    loaded = load_prompt_cache(str(tmp_path / "prompt.safetensors"))
+    assert _equal(want, _continue(model, loaded, prompt[-1:], DECODE_TOKENS))
+
+
 def test_a_kvcache_whose_arrays_the_model_touches_is_not_paged():
     """deepseek_v32 reads and sets its caches' keys itself (mx.depends, the indexer's
     zero values), which a PagedKVCache does not hold: every sub-cache is an attachment.
