@@ -12,8 +12,8 @@ same tokens file the service reads: --tokens-file, or KVSTORE_TOKENS_FILE as for
 api.auth.chain_salts_from_settings, the service's own loader. Opened without salts, a
 store that holds salted block records is refused in one line that says so (exit 2)
 rather than reported record by record; finding out costs one pass over the block
-records' flag bytes (about a second per million blocks), and only when no salts were
-given.
+records' flag bytes (1.5 s per million blocks on the 2-core dev machine), made only
+when no salts were given.
 
 Exit codes (the same for every command; docs/operations.md lists them):
 

@@ -9,6 +9,7 @@ import typer
 
 from tools import portable
 from tools.commands.common import (
+    EXIT_INCOMPATIBLE,
     EXIT_NOT_FOUND,
     EXIT_USAGE,
     DataDirOption,
@@ -54,6 +55,12 @@ def export(
         fail(f"no directory {file.parent} to write {file.name} into", EXIT_NOT_FOUND)
     with open_store(target(data_dir, url, token, tokens_file)) as store, store_errors():
         ckpt = find_checkpoint(store, name, namespace)
+        if not mlx_lm and store.chain_salt(ckpt.namespace) is not None:
+            # tools/portable.py re-derives the file's chain keys unsalted when it reads
+            # it, so such a file could never be imported: refuse before writing it.
+            fail(f"{ckpt.namespace}/{ckpt.name} is in a salted namespace: a portable file of it "
+                 "could not be imported yet (its chain keys are keyed by the salt); --mlx-lm "
+                 "works", EXIT_INCOMPATIBLE)
         total = sum(store.page_nbytes([d for r in store.get_blocks(ckpt.chain_keys) for d in r.pages]
                                       + list(ckpt.attachments.values())))
         with progress_bar(not as_json) as bar:
