@@ -26,7 +26,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import blake3
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
@@ -34,20 +33,19 @@ from engine.attention import installed
 from engine.cache import PagedKVCache
 from engine.engine_model import EngineModel
 from engine.errors import InvalidRequest, MixedComputation
-from engine.publish import DEFAULT_NAMESPACE, capture, upload
+from engine.publish import (  # noqa: F401 - PROMPT_CHECKPOINT_PREFIX: its documented home
+    DEFAULT_NAMESPACE,
+    PROMPT_CHECKPOINT_PREFIX,
+    capture,
+    prompt_checkpoint_name,
+    upload,
+)
 from engine.rates import ExecutionKey, RateBook
 from engine.restore import RestoreRequest, empty_cache, restore
 
 DEFAULT_RATES = RateBook()
-PROMPT_CHECKPOINT_PREFIX = "prompt-"
 PREFILL_STEP_TOKENS = 2048  # generate_step's default prefill_step_size
 log = logging.getLogger(__name__)
-
-
-def prompt_checkpoint_name(tokens: Sequence[int]) -> str:
-    """The checkpoint name generate_with_store gives a prompt boundary."""
-    data = b"".join(int(t).to_bytes(4, "little") for t in tokens)
-    return PROMPT_CHECKPOINT_PREFIX + blake3.blake3(data).hexdigest()[:32]
 
 
 def _prefill(model, tokens: Sequence[int], cache) -> None:

@@ -30,6 +30,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
+import blake3
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
@@ -58,6 +59,7 @@ if TYPE_CHECKING:  # engine_model imports nothing from here; restore imports bot
     from engine.engine_model import EngineModel
 
 log = logging.getLogger(__name__)
+PROMPT_CHECKPOINT_PREFIX = "prompt-"
 DEFAULT_NAMESPACE = "default"
 
 
@@ -333,5 +335,33 @@ def publish(engine_model: EngineModel, store: PageWriter, tokens: Sequence[int],
     the caches' conversion history (engine/stock.py). For write-behind use
     WriteBehindPublisher.submit(capture(engine_model.identity, tokens, caches))."""
     identity = engine_model.identity_for(conversion_offset(leaf_caches(caches)))
+    if checkpoint is None and _at_prompt_boundary(identity, caches, len(tokens)):
+        # sliding, chunked or recurrent layers are restored from checkpoints only: a cache
+        # that sits exactly at the prompt gets one, as generate_with_store gives it
+        cap = capture(identity, tokens, caches, attachments=True)
+        try:
+            return upload(store, cap, namespace=namespace,
+                          checkpoint=prompt_checkpoint_name(cap.tokens), metadata=metadata)
+        except MixedComputation as exc:
+            log.info("prompt checkpoint skipped: %s", exc)
+            return upload(store, cap, namespace=namespace)
     cap = capture(identity, tokens, caches, attachments=checkpoint is not None)
     return upload(store, cap, namespace=namespace, checkpoint=checkpoint, metadata=metadata)
+
+
+def prompt_checkpoint_name(tokens: Sequence[int]) -> str:
+    """The checkpoint name a prompt boundary gets (publish, generate_with_store)."""
+    data = b"".join(int(t).to_bytes(4, "little") for t in tokens)
+    return PROMPT_CHECKPOINT_PREFIX + blake3.blake3(data).hexdigest()[:32]
+
+
+def _at_prompt_boundary(identity: FormatIdentity, caches: Sequence, num_tokens: int) -> bool:
+    """True for a model with non-paged layers whose every counted layer sits at exactly
+    num_tokens: a checkpoint of it is valid. A cache that ran past the tokens (generated
+    tokens fed back) publishes its full-attention prefix only, and a cache none of whose
+    layers counts its tokens (pure recurrent state) cannot show where it sits, so it is
+    checkpointed only when the caller names one (generate_with_store does)."""
+    if all(layer.paged for layer in identity.layers) or not num_tokens:
+        return False
+    offsets = {token_offset(c) for c in leaf_caches(caches)} - {None}
+    return offsets == {num_tokens}

@@ -40,9 +40,10 @@ class ResidentIndex:
         return [(i, p) for i, p in enumerate(self.pools) if p is not None]
 
     def register(self, identity: FormatIdentity, namespace: str, tokens: Sequence[int],
-                 caches: Sequence) -> int:
+                 caches: Sequence, salt: bytes | None = None) -> int:
         """List the full blocks of `tokens` held by `caches` (paged layers of these
-        pools). Returns how many blocks were newly listed."""
+        pools), keyed as the store keys them (`salt`: the namespace's chain salt, from
+        store.chain_salt). Returns how many blocks were newly listed."""
         paged = self._paged()
         if [i for i, _ in paged] != list(identity.paged_layers):
             raise InvalidRequest("the index's pools do not match the identity's paged layers")
@@ -52,7 +53,7 @@ class ResidentIndex:
         with self._lock:
             for b in range(full):
                 parent = chain_key(identity.format_id, namespace, parent,
-                                   tokens[b * size : (b + 1) * size])
+                                   tokens[b * size : (b + 1) * size], salt)
                 if parent in self._entries:
                     self._entries.move_to_end(parent)
                     continue

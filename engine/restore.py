@@ -303,7 +303,8 @@ def restore(engine_model: EngineModel, store: PageReader, request: RestoreReques
         if engine_model.resident is not None and blocks:
             restored_tokens = [t for b in blocks for t in b.tokens]
             engine_model.resident.register(identity, request.namespace, restored_tokens,
-                                           leaf_caches(result.cache))
+                                           leaf_caches(result.cache),
+                                           store.chain_salt(request.namespace))
     except BaseException:
         if grant is not None:
             grant.close()

@@ -64,3 +64,29 @@ def test_a_checkpoint_over_pages_of_another_computation_is_refused(tmp_path):
             upload(store, cap, checkpoint="mixed")
         names = [c.name for c in store.list_checkpoints("default")]
     assert names == ["one-chunk"]
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_next"])
+def test_publish_checkpoints_a_prompt_boundary_by_itself(tmp_path, model_type):
+    """publish() of a hybrid model's cache that sits exactly at the tokens writes the
+    prompt checkpoint without being asked, so a later restore reuses it; a cache that ran
+    past the tokens publishes its full-attention prefix only. (A model with no layer that
+    counts its tokens, e.g. mamba, cannot show where it sits: it is checkpointed only when
+    asked, as generate_with_store asks.)"""
+    from engine.restore import RestoreRequest, restore
+
+    model = build(model_type)
+    engine_model = EngineModel(model, f"test/{model_type}", policy=POLICY)
+    tokens = [(7 * i + 3) % 97 for i in range(24)]
+    with Store(str(tmp_path / "store")) as store, installed(model):
+        cache = engine_model.make_cache()
+        mx.eval(model(mx.array([tokens]), cache=cache))
+        result = publish(engine_model, store, tokens, cache)
+        assert result.checkpoint == prompt_checkpoint_name(tokens)
+        restored = restore(engine_model, store, RestoreRequest(tokens + [1]))
+        assert restored.tokens_restored == len(tokens)
+        got = model(mx.array([[1]]), cache=restored.cache)[:, -1]
+        want = model(mx.array([[1]]), cache=cache)[:, -1]
+        assert mx.array_equal(got, want).item()  # tolerance 0
+        mx.eval(model(mx.array([[2]]), cache=cache))  # one step past the tokens
+        assert publish(engine_model, store, tokens[:16], cache).checkpoint is None

@@ -75,3 +75,30 @@ def test_restore_shares_resident_blocks_and_reads_only_the_rest(tmp_path):
             got = model(mx.array([[1]]), cache=restored.cache)[:, -1]
             assert mx.array_equal(got, want).item()
         index.clear()
+
+
+def test_a_salted_namespace_shares_resident_blocks_too(tmp_path):
+    """The index keys blocks as the store does: with the namespace's chain salt, so a
+    restore in a salted namespace finds what the previous restore listed."""
+    from engine import EngineModel, RestoreRequest, publish, restore
+    from kvstore.store import Store, StoreConfig
+
+    model = tiny_model("llama", mx.bfloat16)
+    policy = KVPolicy(block_size_tokens=16)
+    pools = make_pools(model, policy, model_id=MODEL_ID)
+    index = ResidentIndex(pools)
+    tokens = prompt_tokens(48, seed=42).tolist()
+    config = StoreConfig(chain_salts={"team-b": "ab" * 32})
+    with Store(tmp_path / "s", config) as store, installed(model):
+        cache = make_cache(model, policy, model_id=MODEL_ID, pools=pools)
+        mx.eval(model(mx.array([tokens]), cache=cache))
+        engine_model = EngineModel(model, MODEL_ID, policy=policy, resident=index)
+        publish(engine_model, store, tokens, cache, namespace="team-b")
+        first = restore(engine_model, store, RestoreRequest(tokens + [1], namespace="team-b"))
+        assert (first.tokens_restored, first.resident_blocks) == (48, 0)
+        second = restore(engine_model, store, RestoreRequest(tokens + [1], namespace="team-b"))
+        assert (second.resident_blocks, second.bytes_read) == (3, 0)
+        want = model(mx.array([[1]]), cache=cache)[:, -1]
+        got = model(mx.array([[1]]), cache=second.cache)[:, -1]
+        assert mx.array_equal(got, want).item()
+        index.clear()
