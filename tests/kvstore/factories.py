@@ -124,6 +124,30 @@ def save_prefix(store: Store, identity: FormatIdentity, namespace: str, tokens: 
     return SavedPrefix(namespace, tuple(tokens), tuple(records))
 
 
+def save_salted(store, identity: FormatIdentity, namespace: str, tokens: Sequence[int],
+                *, checkpoint: str | None = None) -> list[BlockRecord]:
+    """Publish synthetic pages for `tokens` keyed with the store's chain salt for
+    `namespace` (a Store or a RemoteStore); durable when it returns."""
+    fid = store.put_format(identity)
+    bs = identity.block_size_tokens
+    pages, payload = [], {}
+    for i in range(-(-len(tokens) // bs)):
+        row = []
+        for li in identity.paged_layers:
+            nbytes = identity.layers[li].page_nbytes(len(tokens[i * bs:(i + 1) * bs]))
+            data = page_payload(f"{namespace}/{tokens[0]}/{i}".encode(), li, nbytes)
+            payload[page_digest(data)] = data
+            row.append(page_digest(data))
+        pages.append(row)
+    records = blocks_for_tokens(fid, namespace, tokens, bs, pages, salt=store.chain_salt(namespace))
+    store.put_pages(payload)
+    store.commit_blocks(records)
+    if checkpoint is not None:
+        store.create_checkpoint(Checkpoint(checkpoint, namespace, fid, tuple(tokens),
+                                           tuple(r.key for r in records)))
+    return records
+
+
 def expected_pages(identity: FormatIdentity, records: Sequence[BlockRecord]) -> list[bytes]:
     """What a restore of `records` must return, page by page, in block then layer order."""
     out = []

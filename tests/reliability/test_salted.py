@@ -23,12 +23,12 @@ from engine.publish import publish
 from engine.restore import RestoreRequest, restore
 from kvstore.client import RemoteStore
 from kvstore.errors import InvalidInput
-from kvstore.ids import chain_keys, page_digest
-from kvstore.records import BlockRecord, Checkpoint, blocks_for_tokens
+from kvstore.ids import chain_keys
+from kvstore.records import BlockRecord
 from kvstore.store import Store, StoreConfig
 from tests.api.conftest import ADMIN, TOKENS_TOML, USER_A, USER_B
 from tests.engine.factories import prompt_tokens, tiny_model
-from tests.kvstore.factories import TINY_MAP_NBYTES, make_identity, page_payload
+from tests.kvstore.factories import TINY_MAP_NBYTES, make_identity, save_salted
 
 SALT_B = bytes(range(100, 132))
 TOKENS_TOML_SALTED = TOKENS_TOML + f"""
@@ -55,25 +55,7 @@ def _open(tmp_path, settings: Settings | None = None) -> Store:
 
 def _save(store, namespace: str, tokens: list[int], checkpoint: str | None = None) -> list[BlockRecord]:
     """Publish synthetic pages the way the engine does, keyed with the store's salt."""
-    fid = store.put_format(IDENTITY)
-    bs = IDENTITY.block_size_tokens
-    salt = store.chain_salt(namespace)
-    pages, payload, n_blocks = [], {}, -(-len(tokens) // bs)
-    for i in range(n_blocks):
-        row = []
-        for li in IDENTITY.paged_layers:
-            nbytes = IDENTITY.layers[li].page_nbytes(len(tokens[i * bs:(i + 1) * bs]))
-            data = page_payload(f"{namespace}/{tokens[0]}/{i}".encode(), li, nbytes)
-            payload[page_digest(data)] = data
-            row.append(page_digest(data))
-        pages.append(row)
-    records = blocks_for_tokens(fid, namespace, tokens, bs, pages, salt=salt)
-    store.put_pages(payload)
-    store.commit_blocks(records)
-    if checkpoint is not None:
-        store.create_checkpoint(Checkpoint(checkpoint, namespace, fid, tuple(tokens),
-                                           tuple(r.key for r in records)))
-    return records
+    return save_salted(store, IDENTITY, namespace, tokens, checkpoint=checkpoint)
 
 
 PROMPT_B = list(range(500, 540))  # 10 blocks of 4: the "secret" prompt a guesser tries

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.ids import ChainSalts, page_digest
-from kvstore.records import Checkpoint, blocks_for_tokens
+from kvstore.ids import ChainSalts
 from kvstore.store import Store, StoreConfig
-from tests.kvstore.factories import page_payload
+from tests.kvstore.factories import save_salted
 from tests.tools.helpers import IDENTITY, run
 from tools.commands.common import EXIT_INCOMPATIBLE, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE
 
@@ -33,24 +32,7 @@ NO_ENV = {"KVSTORE_DIR": None, "KVSTORE_TOKENS_FILE": None, "KVSTORE_CONFIG": No
 
 def _save(store: Store, namespace: str, tokens: list[int], checkpoint: str | None = None):
     """Publish synthetic pages keyed with the store's salt for `namespace`."""
-    fid = store.put_format(IDENTITY)
-    bs = IDENTITY.block_size_tokens
-    pages, payload = [], {}
-    for i in range(-(-len(tokens) // bs)):
-        row = []
-        for li in IDENTITY.paged_layers:
-            nbytes = IDENTITY.layers[li].page_nbytes(len(tokens[i * bs:(i + 1) * bs]))
-            data = page_payload(f"{namespace}/{tokens[0]}/{i}".encode(), li, nbytes)
-            payload[page_digest(data)] = data
-            row.append(page_digest(data))
-        pages.append(row)
-    records = blocks_for_tokens(fid, namespace, tokens, bs, pages, salt=store.chain_salt(namespace))
-    store.put_pages(payload)
-    store.commit_blocks(records)
-    if checkpoint is not None:
-        store.create_checkpoint(Checkpoint(checkpoint, namespace, fid, tuple(tokens),
-                                           tuple(r.key for r in records)))
-    return records
+    return save_salted(store, IDENTITY, namespace, tokens, checkpoint=checkpoint)
 
 
 @pytest.fixture
