@@ -74,6 +74,17 @@ def _saved_store(path: Path) -> None:
         save_prefix(store, IDENTITY, "default", TOKENS, checkpoint="c")
 
 
+def _saved_store_without(path: Path, database: bytes) -> None:
+    """A saved store, then `database` dropped in LMDB itself (no bit flips)."""
+    import lmdb
+
+    _saved_store(path)
+    env = lmdb.open(str(path), max_dbs=16)
+    with env.begin(write=True) as txn:
+        txn.drop(env.open_db(database, txn=txn), delete=True)
+    env.close()
+
+
 def _files(path: Path) -> bytes:
     return (path / "data.mdb").read_bytes()
 
@@ -106,14 +117,8 @@ def test_a_flipped_bit_in_the_main_database_is_refused_and_nothing_is_written(tm
 
 def test_an_existing_environment_lacking_a_sub_database_is_never_given_one(tmp_path):
     """The mechanism, without bit flips: drop a declared sub-database in LMDB itself."""
-    import lmdb
-
     path = tmp_path / "store"
-    _saved_store(path)
-    env = lmdb.open(str(path), max_dbs=16)
-    with env.begin(write=True) as txn:
-        txn.drop(env.open_db(b"refs", txn=txn), delete=True)
-    env.close()
+    _saved_store_without(path, b"refs")
     before = _files(path)
     with pytest.raises(StoreCorrupt, match="refs"):
         Store(path)
@@ -198,14 +203,8 @@ def test_a_new_store_is_created_whole_and_reopens(tmp_path):
 
 def test_an_older_store_without_page_sizes_gains_it_read_write_only(tmp_path):
     """page_sizes was declared after stores existed: such a store is not damaged."""
-    import lmdb
-
     path = tmp_path / "store"
-    _saved_store(path)
-    env = lmdb.open(str(path), max_dbs=16)
-    with env.begin(write=True) as txn:
-        txn.drop(env.open_db(b"page_sizes", txn=txn), delete=True)
-    env.close()
+    _saved_store_without(path, b"page_sizes")
     with pytest.raises(StoreCorrupt, match="open it read-write once"):
         Store(path, readonly=True)
     with Store(path) as store:
