@@ -31,6 +31,13 @@ def _prefilled(model, tokens):
     return cache
 
 
+def _hybrid(n_tokens: int, seed: int):
+    """A tiny gemma3_text (sliding layers: checkpoints carry attachments), its engine
+    model and a prompt of n_tokens."""
+    model = tiny_model("gemma3_text", mx.bfloat16)
+    return model, EngineModel(model, MODEL_ID, policy=POLICY), prompt_tokens(n_tokens, seed=seed).tolist()
+
+
 def _damage(path, checkpoint: str, block: int) -> None:
     """Flip a bit of the first page of the checkpoint's block `block`, no Store open."""
     with Store(path) as store:
@@ -65,9 +72,7 @@ def test_a_named_checkpoint_gives_the_blocks_before_a_damaged_page(tmp_path):
 
 
 def test_a_hybrid_model_passes_over_a_damaged_checkpoint_to_a_shorter_one(tmp_path):
-    model = tiny_model("gemma3_text", mx.bfloat16)
-    engine_model = EngineModel(model, MODEL_ID, policy=POLICY)
-    tokens = prompt_tokens(48, seed=81).tolist()
+    model, engine_model, tokens = _hybrid(48, seed=81)
     path = tmp_path / "s"
     with Store(path) as store:
         publish(engine_model, store, tokens[:32], _prefilled(model, tokens[:32]), checkpoint="short")
@@ -90,9 +95,7 @@ def test_a_hybrid_model_passes_over_a_damaged_checkpoint_to_a_shorter_one(tmp_pa
 
 
 def test_a_missing_attachment_page_makes_a_checkpoint_unusable(tmp_path):
-    model = tiny_model("gemma3_text", mx.bfloat16)
-    engine_model = EngineModel(model, MODEL_ID, policy=POLICY)
-    tokens = prompt_tokens(40, seed=82).tolist()
+    model, engine_model, tokens = _hybrid(40, seed=82)
     path = tmp_path / "s"
     with Store(path) as store:
         publish(engine_model, store, tokens, _prefilled(model, tokens), checkpoint="ring")
