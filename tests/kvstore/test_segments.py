@@ -41,6 +41,14 @@ def pending(data, policy=RAW) -> PendingRecord:
     return PendingRecord(digest, header, stored)
 
 
+def _appended(path, recs, segment_nbytes: int = SMALL) -> tuple[SegmentFiles, list]:
+    """SegmentFiles at `path` with `recs` appended and synced: (files, their locations)."""
+    files = SegmentFiles(path, segment_nbytes)
+    locs = files.append(recs)
+    files.sync()
+    return files, locs
+
+
 def test_records_round_trip_aligned_and_zero_copy(tmp_path):
     files = SegmentFiles(tmp_path, SMALL)
     datas = [page(n, i) for i, n in enumerate((1, 512, 4096 - RECORD_HEADER_NBYTES, 5000))]
@@ -67,10 +75,8 @@ def test_records_round_trip_aligned_and_zero_copy(tmp_path):
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.binary(min_size=0, max_size=20000), min_size=1, max_size=8))
 def test_any_pages_round_trip_through_segments(tmp_path_factory, datas):
-    files = SegmentFiles(tmp_path_factory.mktemp("seg"), SMALL)
     recs = [pending(d, Compression()) for d in datas]
-    locs = files.append(recs)
-    files.sync()
+    files, locs = _appended(tmp_path_factory.mktemp("seg"), recs)
     for loc, d, rec in zip(locs, datas, recs, strict=True):
         header, body = files.read_verified(loc, rec.digest)
         assert bytes(decode_stored(header, body)) == d
@@ -129,10 +135,8 @@ def test_a_record_read_under_another_name_or_length_or_past_the_end_is_refused(t
 
 
 def test_scan_finds_every_record_skips_holes_and_names_damage(tmp_path):
-    files = SegmentFiles(tmp_path, 1 << 20)
     recs = [pending(page(n, i)) for i, n in enumerate((100, 9000, 50, 7000))]
-    locs = files.append(recs)
-    files.sync()
+    files, locs = _appended(tmp_path, recs, 1 << 20)
     found = list(files.scan(0))
     assert [(r.offset, r.digest, r.problem) for r in found] == [
         (loc.offset, rec.digest, None) for loc, rec in zip(locs, recs, strict=True)]
@@ -219,10 +223,8 @@ def test_resume_appends_at_the_committed_tail_over_leftovers(tmp_path):
 
 
 def test_relocate_moves_verified_records_and_the_old_segment_goes(tmp_path):
-    files = SegmentFiles(tmp_path, SMALL)
     recs = [pending(page(20000, i)) for i in range(3)]
-    locs = files.append(recs)
-    files.sync()
+    files, locs = _appended(tmp_path, recs)
     moved = files.relocate([(recs[1].digest, locs[1])])
     files.sync()
     assert moved[0].segment == 1
@@ -259,10 +261,8 @@ def test_verify_record_checks_a_compressed_record(tmp_path):
 def test_audit_names_damaged_records_entries_past_the_end_and_orphans(tmp_path):
     from kvstore.segments import audit
 
-    files = SegmentFiles(tmp_path, SMALL)
     recs = [pending(page(3000, i)) for i in range(4)]
-    locs = files.append(recs)
-    files.sync()
+    files, locs = _appended(tmp_path, recs)
     index = {r.digest: loc for r, loc in zip(recs[:3], locs[:3], strict=True)}  # 4th: orphan
     assert audit(files, index).orphans == ((0, locs[3].offset, recs[3].digest),)
     with open(files.path(0), "r+b") as f:  # damage inside the second record's body
