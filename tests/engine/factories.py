@@ -6,6 +6,11 @@ Sizes are kept tiny on purpose: CI runs on 2 CPU cores with a slow reference BLA
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -55,3 +60,17 @@ def tiny_model(model_type: str = "llama", dtype=mx.float32, seed: int = 0, **ove
 def prompt_tokens(count: int, vocab: int = 97, seed: int = 1) -> mx.array:
     rng = np.random.default_rng(seed)
     return mx.array(rng.integers(0, vocab, size=count), dtype=mx.int32)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_worker(module: str, spec: dict) -> dict:
+    """Run `python -m module <spec as JSON>` in a fresh process from the repository root;
+    its last stdout line is the JSON result. A failing worker fails the test with its
+    stderr."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", module, json.dumps(spec)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -2,12 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
@@ -22,18 +16,13 @@ from engine.restore import RestoreRequest, restore
 from engine.writebehind import WriteBehindPublisher
 from kvstore.errors import IncompatibleFormat
 from kvstore.store import Store
-from tests.engine.factories import prompt_tokens, tiny_model
+from tests.engine.factories import prompt_tokens, run_worker, tiny_model
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL_ID = "test/tiny"
 
 
 def _run_worker(spec: dict) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "tests.engine.xproc_worker", json.dumps(spec)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker("tests.engine.xproc_worker", spec)
 
 
 # (model type, page format): native must equal recompute exactly; each packed format must

@@ -11,17 +11,11 @@ tokens and on every step's logprobs, compared as blake3 digests of their bytes).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.engine.factories import run_worker
 from tests.engine.xproc_sweep_worker import build
 
-ROOT = Path(__file__).resolve().parents[2]
 PROMPT_TOKENS = 600
 GENERATE_TOKENS = 32
 BLOCK_TOKENS = 64
@@ -36,11 +30,7 @@ CASES = {
 
 
 def _run(spec: dict) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "tests.engine.xproc_sweep_worker", json.dumps(spec)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker("tests.engine.xproc_sweep_worker", spec)
 
 
 @pytest.mark.parametrize("model_type", sorted(CASES))
