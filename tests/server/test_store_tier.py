@@ -44,6 +44,12 @@ def tier_for(loaded, store, fingerprint=None, **settings):
 TOKENS = [(7 * i + 11) % 300 + 6 for i in range(70)]  # 70 tokens: 4 full blocks + 6
 
 
+@pytest.fixture
+def caches(loaded):
+    """The model's KVCaches holding TOKENS, fresh for each test."""
+    return prefill(loaded[0], TOKENS)
+
+
 def test_published_prefix_restores_bit_exact(loaded, tmp_path):
     model, _ = loaded
     with Store(tmp_path / "s") as store:
@@ -75,9 +81,7 @@ def test_published_prefix_restores_bit_exact(loaded, tmp_path):
         fresh.close(5)
 
 
-def test_policy_segment_types_min_length_second_sighting_budget(loaded, tmp_path):
-    model, _ = loaded
-    caches = prefill(model, TOKENS)
+def test_policy_segment_types_min_length_second_sighting_budget(loaded, caches, tmp_path):
     with Store(tmp_path / "s") as store:
         tier = tier_for(loaded, store, publish_segments=("system",), publish_min_tokens=40,
                         publish_on_second_sighting=True)
@@ -98,10 +102,8 @@ def test_policy_segment_types_min_length_second_sighting_budget(loaded, tmp_path
         default.close(1)
 
 
-def test_image_placeholders_are_neither_looked_up_nor_published(loaded, tmp_path):
+def test_image_placeholders_are_neither_looked_up_nor_published(loaded, caches, tmp_path):
     """mlx-lm keys a prompt with images by negative ids per image: not KV of text."""
-    model, _ = loaded
-    caches = prefill(model, TOKENS)
     with Store(tmp_path / "s") as store:
         tier = tier_for(loaded, store)
         with_image = [-5] * 3 + TOKENS[3:]
@@ -111,9 +113,8 @@ def test_image_placeholders_are_neither_looked_up_nor_published(loaded, tmp_path
         tier.close(1)
 
 
-def test_another_tokenizer_fingerprint_never_hits(loaded, tmp_path):
-    model, fingerprint = loaded
-    caches = prefill(model, TOKENS)
+def test_another_tokenizer_fingerprint_never_hits(loaded, caches, tmp_path):
+    _, fingerprint = loaded
     with Store(tmp_path / "s") as store:
         tier = tier_for(loaded, store)
         tier.offer(TOKENS, caches, "system")
