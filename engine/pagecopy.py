@@ -47,9 +47,7 @@ def direct_writes() -> bool:
 
     True on every backend MLX 0.32 has: the CPU, Apple's unified memory, and CUDA,
     whose arrays MLX allocates in managed memory, so host writes land in them (checked
-    on an H200: a host view of a CUDA array writes it). Measured there, 8B-shaped
-    model, 8K prompt (1 GiB of native pages): restore TTFT 390 ms through host views
-    against 1054 ms through staging; k4v4 194 ms against 466 ms."""
+    on an H200). Host views measured faster than staging there: docs/benchmarks.md."""
     return True
 
 
@@ -194,9 +192,8 @@ class HostBuffers:
 
     A capture's pages are views of one buffer per layer that lives until the last of
     them is dropped (after its upload). Fresh memory costs a page fault per 4 KiB on
-    first touch (on the 2-core VM a fresh 512 MiB fill took 73-154 ms against 33 ms
-    for a copy into warm memory), so a buffer is kept for the next capture of the same
-    size instead of being freed. Safety: the buffer is lent through a ctypes window
+    first touch (several times a copy into warm memory: docs/benchmarks.md), so a
+    buffer is kept for the next capture of the same size instead of being freed. Safety: the buffer is lent through a ctypes window
     that every derived array and memoryview keeps alive; only when the window is
     collected (no view of it is left anywhere) does the buffer go back on the free
     list. At most max_nbytes are kept idle (oldest dropped first)."""

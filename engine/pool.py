@@ -169,8 +169,8 @@ class BlockPool:
         device backends: copied into the reused host staging buffer, one contiguous
         [len(blocks), H, block_size, row bytes] run per plane, then one host -> device
         transfer per plane and a slice update per run of consecutive block ids (MLX's
-        CUDA scatter moved about 1 GB/s on an H200; slice updates run at copy speed),
-        or one scatter when the ids are scattered."""
+        CUDA scatter is far slower than a copy: docs/benchmarks.md), or one scatter
+        when the ids are scattered."""
         for block in blocks:
             assert self._refs[block] == 1, f"write into block {block} with {self._refs[block]} refs"
         spec = self.spec
