@@ -52,6 +52,18 @@ def kill(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+def read_status(sock: socket.socket) -> int | None:
+    """The status of the first response on sock, read up to its first CRLF; None when
+    the peer closed without one. Timeouts and resets are the caller's to judge."""
+    data = b""
+    while b"\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return int(data[9:12]) if data.startswith(b"HTTP/1.1 ") else None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

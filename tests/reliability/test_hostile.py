@@ -21,7 +21,7 @@ from kvstore.ids import page_digest
 from kvstore.store import Store
 from tests.api.conftest import ADMIN, USER_A, USER_B, write_tokens_file
 from tests.kvstore.factories import make_identity, save_prefix
-from tests.reliability.common import KillableServer, metric, tree_digest
+from tests.reliability.common import KillableServer, metric, read_status, tree_digest
 
 MAX_PAGE = 1 << 20
 MAX_JSON = 4 << 20
@@ -59,18 +59,10 @@ def _raw(port: int, request: bytes, body_parts=(), shut: bool = False, timeout=1
             s.sendall(part)
         if shut:
             s.shutdown(socket.SHUT_WR)
-        data = b""
         try:
-            while b"\r\n" not in data:
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
+            return read_status(s)  # None: closed without a response, nothing was acted on
         except TimeoutError:
             return "timeout"
-    if not data.startswith(b"HTTP/1.1 "):
-        return None  # closed without a response: nothing was acted on
-    return int(data[9:12])
 
 
 def _head(method: str, path: str, token: str, extra: str = "") -> bytes:

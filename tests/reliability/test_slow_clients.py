@@ -23,7 +23,7 @@ import pytest
 
 from kvstore.ids import page_digest
 from tests.api.conftest import ADMIN, USER_A, USER_B, write_tokens_file
-from tests.reliability.common import KillableServer, metric
+from tests.reliability.common import KillableServer, metric, read_status
 
 MIB = 1 << 20
 BODY_TIMEOUT_S = 2.0
@@ -71,18 +71,12 @@ def _status(sock: socket.socket, timeout_s: float):
     """The status of the first response on sock, None if closed without one, or
     "timeout" when nothing came within timeout_s."""
     sock.settimeout(timeout_s)
-    data = b""
     try:
-        while b"\r\n" not in data:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            data += chunk
+        return read_status(sock)
     except TimeoutError:
         return "timeout"
     except (ConnectionResetError, BrokenPipeError):
         return None
-    return int(data[9:12]) if data.startswith(b"HTTP/1.1 ") else None
 
 
 def _stalled_put(port: int, token: str, declared: int, sent: bytes) -> socket.socket:
