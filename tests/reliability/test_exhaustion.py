@@ -145,6 +145,17 @@ def _evict_in_steps(store, step_nbytes: int) -> list:
     return reports
 
 
+def _free_and_save_again(remote, rng, first: int) -> tuple:
+    """Evict all that is unpinned and collect over `remote`, then try 5 new saves (ids
+    from `first`): (evict report, gc report, outcomes of the saves)."""
+    evicted = remote.evict(0)
+    collected = remote.plan_gc(0.0).execute()
+    after = {"ok": 0, "full": 0}
+    for j in range(5):
+        _save(remote, rng, first + j, [], after)
+    return evicted, collected, after
+
+
 def test_evict_frees_space_on_a_disk_filled_by_someone_else(small_fs):
     """The reserve is gone too (another file took the last bytes): evict must still
     run, in transactions small enough to reuse the pages earlier ones freed (issue 23:
@@ -212,11 +223,7 @@ def test_the_map_limit_is_recovered_by_delete_evict_and_gc(tmp_path):
             stepped = _evict_in_steps(remote, 2 << 20)
             for name, _ in names[::2]:
                 remote.delete_checkpoint("ns", name)
-            evicted = remote.evict(0)
-            collected = remote.plan_gc(0.0).execute()
-            after = {"ok": 0, "full": 0}
-            for j in range(5):
-                _save(remote, rng, 30_000 + j, [], after)
+            evicted, collected, after = _free_and_save_again(remote, rng, 30_000)
         assert store.check(read_data=True).ok
     metric("map_limit_recovery", map_limit_mib=8, reserve_mib=RESERVE_NBYTES >> 20,
            evicted_in_steps=sum(r.blocks for r in stepped),
@@ -247,11 +254,7 @@ def test_service_recovers_from_a_full_disk_without_restart(small_fs, tmp_path):
                 assert i < 5000, "the filesystem never filled"
             for name, _ in names:
                 remote.delete_checkpoint("ns", name)
-            evicted = remote.evict(0)
-            collected = remote.plan_gc(0.0).execute()
-            after = {"ok": 0, "full": 0}
-            for j in range(5):
-                _save(remote, rng, 10_000 + j, [], after)
+            evicted, collected, after = _free_and_save_again(remote, rng, 10_000)
             assert server.proc.pid == pid and server.proc.poll() is None
             report = remote.check(read_data=True)
             assert report.ok, report.problems[:5]
