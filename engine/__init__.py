@@ -45,7 +45,7 @@ from engine.cache import PagedKVCache, PageSnapshot  # noqa: F401,E402
 from engine.errors import EngineError, OffsetMismatch, PoolExhausted  # noqa: F401,E402
 from engine.formats import FORMATS, PageSpec, bits_per_value, format_identity  # noqa: F401,E402
 from engine.generate import GenerationReport  # noqa: F401,E402
-from engine.models import make_cache, make_pools, model_dtype, model_identity  # noqa: F401,E402
+from engine.models import make_cache, make_pools, model_dtype  # noqa: F401,E402
 from engine.pool import BlockPool  # noqa: F401,E402
 from engine.publish import capture, upload  # noqa: F401,E402
 from engine.resident import ResidentIndex  # noqa: F401,E402

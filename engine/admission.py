@@ -418,7 +418,7 @@ class AdmissionController:
                                      f"({self.free_nbytes} of {self.budget_nbytes} bytes free)")
             self._pools.extend(new)
 
-    def make_pools(self, model, policy=None, *, model_id: str | None = None, num_blocks: int = 16,
+    def make_pools(self, model, policy=None, *, num_blocks: int = 16,
                    max_blocks: int | None = None, growth: float = 2.0) -> list:
         """engine.make_pools, with the arenas priced against the budget before they are
         allocated (InvalidRequest when they do not fit), then attached."""
@@ -428,14 +428,14 @@ class AdmissionController:
         from engine.policy import KVPolicy
 
         policy = policy or KVPolicy()
-        fmt = resolve_format(policy.format_for(model_id), kv_dtype(model))
+        fmt = resolve_format(policy.default_format, kv_dtype(model))
         arenas = sum(num_blocks * page_spec_for(g, fmt, policy).block_nbytes
                      for g in layer_geometry(model) if g.kind == "full")
         with self._lock:
             if self.committed_nbytes + arenas > self.budget_nbytes:
                 raise InvalidRequest(f"pool arenas of {arenas} bytes exceed the admission budget "
                                      f"({self.free_nbytes} of {self.budget_nbytes} bytes free)")
-            pools = _make_pools(model, policy, model_id=model_id, num_blocks=num_blocks,
+            pools = _make_pools(model, policy, num_blocks=num_blocks,
                                 max_blocks=max_blocks, growth=growth)
             self.attach_pools(pools)
         return pools

@@ -31,7 +31,6 @@ from engine.attention import GATHERED, checking, installed, model_modules
 from engine.cache import PagedKVCache
 from engine.errors import UnsupportedModel
 from engine.formats import (
-    format_identity,
     native_format_name,
     page_spec_for,
     require_paged,
@@ -40,7 +39,6 @@ from engine.formats import (
 from engine.geometry import layer_geometry, leaf_caches, probe_geometry, with_leaves
 from engine.policy import KVPolicy
 from engine.pool import BlockPool
-from kvstore.format import FormatIdentity
 
 DEFAULT_NUM_BLOCKS = 16
 # The load-time check: a prefill of CHECK_PROMPT_TOKENS in blocks of CHECK_BLOCK_TOKENS
@@ -66,25 +64,17 @@ def kv_dtype(model: nn.Module) -> mx.Dtype:
     return probe_geometry(model).kv_dtype
 
 
-def model_identity(model: nn.Module, policy: KVPolicy, *, model_id: str,
-                   tokenizer_fingerprint: str = "", converted_at_token: int = 0) -> FormatIdentity:
-    """kvstore's format identity of this model's pages under the policy; for mlx-qB
-    pages of a converted cache, converted_at_token names the conversion offset
-    (engine.stock.conversion_offset(caches))."""
-    return format_identity(model, policy, model_id=model_id, model_dtype=kv_dtype(model),
-                           tokenizer_fingerprint=tokenizer_fingerprint,
-                           converted_at_token=converted_at_token)
-
-
-def make_pools(model: nn.Module, policy: KVPolicy | None = None, *, model_id: str | None = None,
+def make_pools(model: nn.Module, policy: KVPolicy | None = None, *,
                num_blocks: int = DEFAULT_NUM_BLOCKS, max_blocks: int | None = None,
                growth: float = 2.0) -> list[BlockPool | None]:
-    """One BlockPool per full-attention layer (None for the other layers).
+    """One BlockPool per full-attention layer (None for the other layers), in the policy's
+    default format: bind a per-model override first (EngineModel does, or
+    policy.with_format(policy.format_for(model id))).
 
     UnpagedFormat when the policy gives mlx-qB pages, which only mlx-lm's
     QuantizedKVCache holds."""
     policy = policy or KVPolicy()
-    fmt = resolve_format(policy.format_for(model_id), kv_dtype(model))
+    fmt = resolve_format(policy.default_format, kv_dtype(model))
     require_paged(fmt)
     pools: list[BlockPool | None] = []
     for geometry in layer_geometry(model):
@@ -166,10 +156,11 @@ def _check(model: nn.Module) -> PagedAttentionCheck:
     return PagedAttentionCheck(True)
 
 
-def make_cache(model: nn.Module, policy: KVPolicy | None = None, *, model_id: str | None = None,
+def make_cache(model: nn.Module, policy: KVPolicy | None = None, *,
                pools: list[BlockPool | None] | None = None,
                attention_impl: str | None = "auto", grant=None) -> list:
-    """The model's cache list with paged full-attention layers (see the module docstring).
+    """The model's cache list with paged full-attention layers (see the module docstring),
+    in the policy's default format (pools from make_pools(model, policy) when not given).
 
     attention_impl: "auto" (default_attention_impl), None (kernels dispatch), a name,
     or "gathered"; a model that fails check_paged_attention gets "gathered" whatever
@@ -185,7 +176,7 @@ def make_cache(model: nn.Module, policy: KVPolicy | None = None, *, model_id: st
         raise UnsupportedModel(f"the model built {len(stock)} caches, its probe "
                                f"{len(geometry)}")
     if pools is None:
-        pools = make_pools(model, policy, model_id=model_id)
+        pools = make_pools(model, policy)
     routed = attention_impl != GATHERED and check_paged_attention(model).routed
     routed_by = tuple(model_modules(model)) if routed else ()
     caches = []

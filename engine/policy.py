@@ -69,10 +69,11 @@ class KVPolicy:
         if self.rotation not in ROTATION_MODES:
             raise InvalidPolicy(f"rotation must be one of {ROTATION_MODES}, got {self.rotation!r}")
 
-    def format_for(self, model_id: str | None) -> str:
-        """The page format name for this exact model id (an alias such as "native")."""
-        for key, name in self.overrides:
-            if key == model_id:
+    def format_for(self, key: str | None) -> str:
+        """The page format name (an alias such as "native") for this exact model id: its
+        override, else the default."""
+        for model, name in self.overrides:
+            if model == key:
                 return name
         return self.default_format
 

@@ -217,7 +217,8 @@ def _check_conversion(identity: FormatIdentity, caches: Sequence, num_tokens: in
         raise FormatMismatch(
             f"the cache was quantized {'at token ' + str(held) if held else 'from its first token'}"
             f", the identity says {'converted at token ' + str(named) if named else 'from the first token'}"
-            f": publish it under model_identity(..., converted_at_token={held})")
+            f": publish it under EngineModel.identity_for({held}), the identity with "
+            f"converted_at_token={held}")
     if named and num_tokens < named:
         raise InvalidRequest(f"a cache converted at token {named} is not published below it "
                              f"({num_tokens} tokens asked): no computation holds that prefix")

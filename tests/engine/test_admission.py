@@ -25,7 +25,7 @@ from engine.attention import installed
 from engine.engine_model import EngineModel
 from engine.errors import GrantExceeded
 from engine.formats import FORMATS, PageSpec, encode_tokens
-from engine.models import make_cache, model_dtype, model_identity
+from engine.models import make_cache, model_dtype
 from engine.policy import KVPolicy
 from engine.pricing import attention_nbytes, price_request, ring_nbytes
 from engine.publish import publish
@@ -54,9 +54,9 @@ def _setup(model, policy=NATIVE, *, budget=64 * MiB, num_blocks=16, max_blocks="
            controller=None, **kwargs):
     """(controller, pools, profile) for one model under one policy."""
     controller = controller or AdmissionController(budget, **kwargs)
-    pools = controller.make_pools(model, policy, model_id=MODEL_ID, num_blocks=num_blocks,
+    pools = controller.make_pools(model, policy, num_blocks=num_blocks,
                                   max_blocks=num_blocks if max_blocks == "fixed" else max_blocks)
-    fingerprint = model_identity(model, policy, model_id=MODEL_ID).model_fingerprint
+    fingerprint = EngineModel(model, MODEL_ID, policy=policy).identity.model_fingerprint
     return controller, pools, controller.profile(model, pools, model_fingerprint=fingerprint)
 
 
@@ -93,7 +93,7 @@ def test_price_lines_are_the_objects_own_nbytes(policy):
     assert price.page_nbytes == sum(p.spec.storage_nbytes(49) for p in pools)
     decision = controller.admit(profile, AdmissionRequest("r", 37, 12))
     assert isinstance(decision, Granted)
-    cache = make_cache(model, policy, model_id=MODEL_ID, pools=pools, grant=decision.grant)
+    cache = make_cache(model, policy, pools=pools, grant=decision.grant)
     with installed(model):
         _run(model, decision.grant, cache, prompt_tokens(37).tolist(), 13)
     assert all(isinstance(c, AdmittedKVCache) for c in cache)
@@ -215,7 +215,7 @@ def test_budget_is_never_exceeded_across_randomized_request_mixes():
                 decision = controller.admit(profile, AdmissionRequest(rid, prompt, new))
                 if isinstance(decision, Granted):
                     pending.remove(item)
-                    cache = make_cache(model, policy, model_id=MODEL_ID, pools=pools,
+                    cache = make_cache(model, policy, pools=pools,
                                        grant=decision.grant)
                     running.append([decision.grant, cache, prompt_tokens(prompt, seed=prompt)
                                     .tolist(), new, None])
@@ -268,7 +268,7 @@ def test_growth_beyond_the_grant_is_priced_again_before_allocation():
                                         concurrency_ceiling=4)
     _warm(controller.rates, profile.key, 4)
     first = controller.admit(profile, AdmissionRequest("a", 10, 4)).grant  # 1 block
-    cache = make_cache(model, NATIVE, model_id=MODEL_ID, pools=pools, grant=first)
+    cache = make_cache(model, NATIVE, pools=pools, grant=first)
     with installed(model):
         _run(model, first, cache, prompt_tokens(10).tolist(), 10)  # 20 tokens: 2 blocks
         # re-priced when token 17 needed a second block: 17 tokens, 2 blocks per layer
@@ -309,7 +309,7 @@ def test_workspace_is_refunded_only_after_the_step_outputs_are_evaluated():
     model = tiny_model("llama", mx.bfloat16)
     controller, pools, profile = _setup(model)
     grant = controller.admit(profile, AdmissionRequest("r", 20, 4)).grant
-    cache = make_cache(model, NATIVE, model_id=MODEL_ID, pools=pools, grant=grant)
+    cache = make_cache(model, NATIVE, pools=pools, grant=grant)
     workspace = grant.price.workspace_nbytes
     with installed(model):
         with grant.step("prefill", 20) as step:
@@ -331,7 +331,7 @@ def test_cancellation_mid_step_refunds_exactly_once_and_leaves_other_grants_alon
     kept_charges = controller.stats()["charges"]
     gone = controller.admit(profile, AdmissionRequest("same-id", 30, 4)).grant  # id reused
     assert keep is not gone and len(controller.grants("same-id")) == 2
-    cache = make_cache(model, NATIVE, model_id=MODEL_ID, pools=pools, grant=gone)
+    cache = make_cache(model, NATIVE, pools=pools, grant=gone)
     with installed(model), pytest.raises(RuntimeError):
         with gone.step("prefill", 30) as step:
             y = model(prompt_tokens(30)[None], cache=cache)
@@ -359,7 +359,7 @@ def test_storage_is_refunded_when_the_caches_are_freed_or_dropped():
     _warm(controller.rates, profile.key, 4)
     first = controller.admit(profile, AdmissionRequest("a", 40, 8)).grant  # 3 of 4 blocks
     assert isinstance(controller.admit(profile, AdmissionRequest("b", 40, 8)), Deferred)
-    cache = make_cache(model, NATIVE, model_id=MODEL_ID, pools=pools, grant=first)
+    cache = make_cache(model, NATIVE, pools=pools, grant=first)
     with installed(model):
         _run(model, first, cache, prompt_tokens(40).tolist(), 2)
     held = first.price.held_nbytes
@@ -370,7 +370,7 @@ def test_storage_is_refunded_when_the_caches_are_freed_or_dropped():
     assert not first.closed and first.reserved_blocks == [0, 0]
     second = controller.admit(profile, AdmissionRequest("b", 40, 8))
     assert isinstance(second, Granted)  # the freed blocks are admissible again
-    other = make_cache(model, NATIVE, model_id=MODEL_ID, pools=pools, grant=second.grant)
+    other = make_cache(model, NATIVE, pools=pools, grant=second.grant)
     assert controller.stats()["charges"]["held"] == second.price.held_nbytes
     del other  # dropped without free(): the finalizer gives the blocks back, then this
     gc.collect()
@@ -398,7 +398,7 @@ def test_unknown_identities_start_at_one_and_widen_only_with_their_own_samples()
     assert isinstance(controller.admit(packed, AdmissionRequest("c", 20, 3)), Granted)
     _warm(rates, packed.key, 10)  # samples of another identity do not count
     assert isinstance(controller.admit(native, AdmissionRequest("b", 20, 3)), Deferred)
-    cache = make_cache(model, NATIVE, model_id=MODEL_ID, pools=pools, grant=first.grant)
+    cache = make_cache(model, NATIVE, pools=pools, grant=first.grant)
     with installed(model):
         _run(model, first.grant, cache, prompt_tokens(20).tolist(), 1)  # 1 prefill sample
         assert controller.concurrency_limit(native.key) == 1
@@ -461,7 +461,7 @@ def test_default_budget_is_configurable_on_cpu(monkeypatch):
 # -- restore --------------------------------------------------------------------------------
 def _published(tmp_path, model, tokens):
     store = Store(tmp_path / "s")
-    cache = make_cache(model, NATIVE, model_id=MODEL_ID)
+    cache = make_cache(model, NATIVE)
     with installed(model):
         mx.eval(model(mx.array([tokens]), cache=cache))
     publish(EngineModel(model, MODEL_ID, policy=NATIVE), store, tokens, cache)

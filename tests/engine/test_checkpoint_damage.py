@@ -10,7 +10,7 @@ import pytest
 
 from engine.attention import installed
 from engine.engine_model import EngineModel
-from engine.models import make_cache, model_identity
+from engine.models import make_cache
 from engine.policy import KVPolicy
 from engine.publish import capture, publish
 from engine.restore import RestoreRequest, restore
@@ -25,7 +25,7 @@ POLICY = KVPolicy(block_size_tokens=16)
 
 
 def _prefilled(model, tokens):
-    cache = make_cache(model, POLICY, model_id=MODEL_ID)
+    cache = make_cache(model, POLICY)
     with installed(model):
         mx.eval(model(mx.array([tokens]), cache=cache))
     return cache
@@ -48,7 +48,7 @@ def _damage(path, checkpoint: str, block: int) -> None:
 
 def test_a_named_checkpoint_gives_the_blocks_before_a_damaged_page(tmp_path):
     model = tiny_model("llama", mx.bfloat16)
-    identity = model_identity(model, POLICY, model_id=MODEL_ID)
+    identity = EngineModel(model, MODEL_ID, policy=POLICY).identity
     tokens = prompt_tokens(64, seed=80).tolist()
     cache = _prefilled(model, tokens)
     original = capture(identity, tokens, cache)

@@ -10,7 +10,8 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from engine.engine_model import EngineModel
 from engine.errors import FormatMismatch
-from engine.models import model_identity
+from engine.formats import format_identity
+from engine.models import kv_dtype
 from engine.policy import KVPolicy
 from engine.publish import capture, publish
 from engine.restore import RestoreRequest, restore
@@ -56,8 +57,9 @@ def test_a_converted_cache_is_never_served_as_one_quantized_from_token_zero(tmp_
         # under its own identity it is another format and another chain: nothing skipped
         # publish names the pages by the caches' own conversion: another format and chain
         converted_identity = engine_model.identity_for(32)
-        assert converted_identity == model_identity(model, POLICY, model_id=MODEL_ID,
-                                                    converted_at_token=32)
+        assert converted_identity == format_identity(model, POLICY, model_id=MODEL_ID,
+                                                     model_dtype=kv_dtype(model),
+                                                     converted_at_token=32)
         assert converted_identity.format_id != zero_identity.format_id
         result = publish(engine_model, store, prompt, converted)
         assert (result.blocks, result.blocks_skipped) == (5, 0)

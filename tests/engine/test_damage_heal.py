@@ -11,7 +11,7 @@ import pytest
 
 from engine.attention import installed
 from engine.engine_model import EngineModel
-from engine.models import make_cache, model_identity
+from engine.models import make_cache
 from engine.policy import KVPolicy
 from engine.publish import capture, publish
 from engine.restore import RestoreRequest, restore
@@ -28,7 +28,7 @@ DAMAGED_BLOCK = 2  # blocks 0 and 1 stay whole
 
 
 def _prefilled(model, policy, tokens):
-    cache = make_cache(model, policy, model_id=MODEL_ID)
+    cache = make_cache(model, policy)
     with installed(model):
         mx.eval(model(mx.array([tokens]), cache=cache))
     return cache
@@ -41,7 +41,7 @@ def damaged(tmp_path):
     the cache published, the store path)."""
     model = tiny_model("llama", mx.bfloat16)
     policy = KVPolicy(block_size_tokens=BLOCK)
-    identity = model_identity(model, policy, model_id=MODEL_ID)
+    identity = EngineModel(model, MODEL_ID, policy=policy).identity
     tokens = prompt_tokens(TOKENS, seed=11).tolist()
     cache = _prefilled(model, policy, tokens)
     original = capture(identity, tokens, cache)

@@ -190,7 +190,7 @@ def test_specs_from_policy_and_from_identity_are_equal(name):
     model = tiny_model("qwen3", mx.bfloat16)
     policy = KVPolicy(default_format=name, block_size_tokens=32, group_size=32)
     ident = format_identity(model.args, policy, model_id="m", model_dtype=mx.bfloat16)
-    pools = make_pools(model, policy, model_id="m")
+    pools = make_pools(model, policy)
     assert [p.spec for p in pools] == page_specs(ident)
 
 

@@ -10,11 +10,12 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 import engine
-from engine import KVPolicy, PagedKVCache, make_cache, make_pools, model_identity
+from engine import EngineModel, KVPolicy, PagedKVCache, make_cache, make_pools
 from engine.errors import UnsupportedModel
 from engine.attention import GATHERED
 from engine.geometry import layer_geometry, model_fingerprint, probe_geometry
-from engine.models import check_paged_attention
+from engine.formats import format_identity
+from engine.models import check_paged_attention, kv_dtype
 from tests.engine.factories import model_config, prompt_tokens, tiny_model
 from tests.engine.test_model_sweep import build
 
@@ -60,7 +61,7 @@ def test_gemma3_with_sliding_layers_generates_like_mlx_lm(paged_calls):
         assert mx.array_equal(a, b).item()
     paged_layers = sum(isinstance(c, PagedKVCache) for c in caches)
     assert paged_layers == 2 and len(paged_calls) == paged_layers * (3 + 1 + 24)  # chunks 16+16+4
-    ident = model_identity(model, POLICY, model_id="tiny-gemma3")
+    ident = EngineModel(model, "tiny-gemma3", policy=POLICY).identity
     assert ident.paged_layers == (1, 3)
 
 
@@ -134,9 +135,9 @@ def test_fingerprint_covers_the_probed_geometry():
 
 
 def test_native_pages_follow_the_probed_kv_dtype():
-    ident = model_identity(tiny_model("qwen3", mx.bfloat16), POLICY, model_id="m")
+    ident = EngineModel(tiny_model("qwen3", mx.bfloat16), "m", policy=POLICY).identity
     assert {layer.page_format for layer in ident.layers} == {"native-bf16"}
-    ident = model_identity(tiny_model("qwen3", mx.float32), POLICY, model_id="m")
+    ident = EngineModel(tiny_model("qwen3", mx.float32), "m", policy=POLICY).identity
     assert {layer.page_format for layer in ident.layers} == {"native-f32"}
 
 
@@ -175,4 +176,5 @@ def test_engine_model_binds_its_format_once():
     assert {p.spec.format.name for p in packed.pools} == {"k8v4"}
     assert {c.spec.format.name for c in packed.make_cache()} == {"k8v4"}
     assert {layer.page_format for layer in plain.identity.layers} == {"native-f32"}
-    assert packed.identity == model_identity(model, policy, model_id="org/packed")
+    assert packed.identity == format_identity(model, policy, model_id="org/packed",
+                                              model_dtype=kv_dtype(model))

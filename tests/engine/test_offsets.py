@@ -9,7 +9,7 @@ from mlx_lm.generate import generate_step
 from engine.attention import installed
 from engine.engine_model import EngineModel
 from engine.errors import OffsetMismatch
-from engine.models import make_cache, model_identity
+from engine.models import make_cache
 from engine.policy import KVPolicy
 from engine.publish import publish
 from engine.restore import RestoreRequest, restore
@@ -20,7 +20,7 @@ MODEL_ID = "test/tiny"
 
 
 def _generated(model, policy, prompt, max_tokens):
-    cache = make_cache(model, policy, model_id=MODEL_ID)
+    cache = make_cache(model, policy)
     with installed(model):
         out = [int(t) for t, _ in generate_step(mx.array(prompt), model, prompt_cache=cache,
                                                  max_tokens=max_tokens)]
@@ -70,7 +70,7 @@ def test_a_stored_checkpoint_with_layers_past_its_tokens_is_refused_on_restore(t
 
     model = tiny_model("gemma3_text", mx.bfloat16)
     policy = KVPolicy(block_size_tokens=16)
-    identity = model_identity(model, policy, model_id=MODEL_ID)
+    identity = EngineModel(model, MODEL_ID, policy=policy).identity
     prompt = prompt_tokens(40, seed=62).tolist()
     cache, out = _generated(model, policy, prompt, max_tokens=10)
     rings = capture(identity, prompt + out, cache, attachments=True).attachments

@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from engine import KVPolicy, make_cache, model_dtype, model_identity
+from engine import EngineModel, KVPolicy, model_dtype
 from engine.errors import InvalidPolicy
 from tests.engine.factories import tiny_model
 
@@ -64,10 +64,10 @@ def test_weight_quantization_never_selects_kv_precision():
     model = tiny_model("llama", mx.bfloat16)
     nn.quantize(model, group_size=32, bits=4)
     assert model_dtype(model) == mx.bfloat16
-    ident = model_identity(model, KVPolicy(), model_id="org/model-4bit")
+    ident = EngineModel(model, "org/model-4bit", policy=KVPolicy()).identity
     assert {layer.page_format for layer in ident.layers} == {"native-bf16"}
-    caches = make_cache(model, KVPolicy(), model_id="org/model-4bit")
+    caches = EngineModel(model, "org/model-4bit", policy=KVPolicy()).make_cache()
     assert {c.spec.format.name for c in caches} == {"native-bf16"}
     # only an explicit override for the id picks a packed format
-    caches = make_cache(model, KVPolicy.from_toml(TOML), model_id="org/model-4bit")
+    caches = EngineModel(model, "org/model-4bit", policy=KVPolicy.from_toml(TOML)).make_cache()
     assert {c.spec.format.name for c in caches} == {"k4v4"}

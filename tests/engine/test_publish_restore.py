@@ -9,7 +9,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from engine.attention import installed
 from engine.engine_model import EngineModel
 from engine.errors import FormatMismatch
-from engine.models import make_cache, make_pools, model_identity
+from engine.models import make_cache, make_pools
 from engine.policy import KVPolicy
 from engine.publish import capture, publish
 from engine.restore import RestoreRequest, restore
@@ -57,7 +57,7 @@ def test_cross_process_restore_equals_recompute(tmp_path, model_type, page_forma
 
 
 def _prefilled(model, policy, tokens):
-    cache = make_cache(model, policy, model_id=MODEL_ID)
+    cache = make_cache(model, policy)
     with installed(model):
         mx.eval(model(mx.array([tokens]), cache=cache))
     return cache
@@ -84,7 +84,7 @@ def test_incompatible_checkpoint_is_refused_before_allocation(tmp_path):
     with Store(tmp_path / "s") as store:
         publish(EngineModel(model, MODEL_ID, policy=native), store, tokens,
                 _prefilled(model, native, tokens), checkpoint="c")
-        pools = make_pools(model, packed, model_id=MODEL_ID)
+        pools = make_pools(model, packed)
         blocks_before = [p.num_blocks for p in pools if p]
         used_before = [p.num_used_blocks for p in pools if p]
         mx.eval(mx.zeros(1))
@@ -103,7 +103,7 @@ def test_pools_of_another_format_are_refused_with_diff(tmp_path):
     model = tiny_model("llama", mx.bfloat16)
     native, packed = KVPolicy(block_size_tokens=16), KVPolicy(default_format="k8v8", block_size_tokens=16)
     with Store(tmp_path / "s") as store:
-        pools = make_pools(model, packed, model_id=MODEL_ID)
+        pools = make_pools(model, packed)
         with pytest.raises(IncompatibleFormat) as info:
             restore(EngineModel(model, MODEL_ID, policy=native, pools=pools), store,
                     RestoreRequest([1, 2, 3]))
@@ -115,7 +115,7 @@ def test_packed_restore_is_byte_identical_to_published_pages(tmp_path):
     model = tiny_model("llama", mx.bfloat16)
     policy = KVPolicy(default_format="k4v4", block_size_tokens=16)
     tokens = prompt_tokens(70, seed=8).tolist()
-    identity = model_identity(model, policy, model_id=MODEL_ID)
+    identity = EngineModel(model, MODEL_ID, policy=policy).identity
     cache = _prefilled(model, policy, tokens)
     before = capture(identity, tokens, cache)
     with Store(tmp_path / "s") as store:
@@ -177,13 +177,13 @@ def test_quantized_kvcache_is_not_published_as_native(tmp_path):
     tokens = prompt_tokens(20, seed=11).tolist()
     mx.eval(model(mx.array([tokens]), cache=caches))
     with pytest.raises(FormatMismatch):
-        capture(model_identity(model, policy, model_id=MODEL_ID), tokens, caches)
+        capture(EngineModel(model, MODEL_ID, policy=policy).identity, tokens, caches)
 
 
 def test_write_behind_drops_under_a_tiny_cap_and_never_serves_wrong_pages(tmp_path):
     model = tiny_model("llama", mx.bfloat16)
     policy = KVPolicy(block_size_tokens=16)
-    identity = model_identity(model, policy, model_id=MODEL_ID)
+    identity = EngineModel(model, MODEL_ID, policy=policy).identity
     prompts = [prompt_tokens(64, seed=20 + i).tolist() for i in range(6)]
     captures = [capture(identity, p, _prefilled(model, policy, p)) for p in prompts]
     with Store(tmp_path / "s") as store:
@@ -302,7 +302,7 @@ def test_cross_process_quantized_kvcache_restore_equals_quantized_recompute(
 def test_quantized_pages_restore_byte_identical_and_partial_prefix(tmp_path):
     model = tiny_model("llama", mx.bfloat16)
     policy = _quantized_policy(bits=4, group_size=32, block=16)
-    identity = model_identity(model, policy, model_id=MODEL_ID)
+    identity = EngineModel(model, MODEL_ID, policy=policy).identity
     assert [identity.layers[i].page_format for i in identity.paged_layers] == ["mlx-q4"] * 2
     assert {(x.group_size, x.scale_dtype, x.rotation) for x in identity.layers} == {
         (32, "bfloat16", "none")}
@@ -373,13 +373,13 @@ def test_quantized_kvcache_is_published_only_under_its_own_identity(tmp_path):
     for policy in (_quantized_policy(bits=8), _quantized_policy(group_size=32),
                    KVPolicy(default_format="k4v4", block_size_tokens=16)):
         with pytest.raises(FormatMismatch):
-            capture(model_identity(model, policy, model_id=MODEL_ID), tokens, caches)
+            capture(EngineModel(model, MODEL_ID, policy=policy).identity, tokens, caches)
     # and a KVCache is not published as mlx-qB pages
     stock = [KVCache() for _ in model.layers]
     mx.eval(model(mx.array([tokens]), cache=stock))
     with pytest.raises(FormatMismatch):
-        capture(model_identity(model, _quantized_policy(), model_id=MODEL_ID), tokens, stock)
-    cap = capture(model_identity(model, _quantized_policy(), model_id=MODEL_ID), tokens, caches)
+        capture(EngineModel(model, MODEL_ID, policy=_quantized_policy()).identity, tokens, stock)
+    cap = capture(EngineModel(model, MODEL_ID, policy=_quantized_policy()).identity, tokens, caches)
     assert [len(cap.layers[0].page(i)) for i in range(2)] == [
         cap.layers[0].spec.page_nbytes(16), cap.layers[0].spec.page_nbytes(4)]
 
@@ -389,9 +389,9 @@ def test_paged_engine_refuses_mlx_q_pages_with_a_typed_error():
 
     model = tiny_model("llama", mx.bfloat16)
     with pytest.raises(UnpagedFormat, match="QuantizedKVCache"):
-        make_pools(model, _quantized_policy(), model_id=MODEL_ID)
+        make_pools(model, _quantized_policy())
     with pytest.raises(UnpagedFormat):
-        make_cache(model, _quantized_policy(), model_id=MODEL_ID)
+        make_cache(model, _quantized_policy())
 
 
 @pytest.mark.parametrize("page_format", ["native", "mlx-q8"])

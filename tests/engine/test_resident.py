@@ -5,7 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from engine.attention import installed
-from engine.models import make_cache, make_pools, model_identity
+from engine.engine_model import EngineModel
+from engine.models import make_cache, make_pools
 from engine.policy import KVPolicy
 from engine.resident import ResidentIndex
 from kvstore.ids import chain_keys
@@ -17,11 +18,11 @@ MODEL_ID = "test/tiny"
 def test_adopted_blocks_are_shared_and_copy_on_write():
     model = tiny_model("llama", mx.bfloat16)
     policy = KVPolicy(block_size_tokens=16)
-    identity = model_identity(model, policy, model_id=MODEL_ID)
-    pools = make_pools(model, policy, model_id=MODEL_ID)
+    identity = EngineModel(model, MODEL_ID, policy=policy).identity
+    pools = make_pools(model, policy)
     tokens = prompt_tokens(50, seed=40).tolist()
     with installed(model):
-        cache = make_cache(model, policy, model_id=MODEL_ID, pools=pools)
+        cache = make_cache(model, policy, pools=pools)
         mx.eval(model(mx.array([tokens]), cache=cache))
         index = ResidentIndex(pools, capacity_blocks=8)
         assert index.register(identity, "default", tokens, cache) == 3  # full blocks only
@@ -52,12 +53,12 @@ def test_restore_shares_resident_blocks_and_reads_only_the_rest(tmp_path):
 
     model = tiny_model("llama", mx.bfloat16)
     policy = KVPolicy(block_size_tokens=16)
-    identity = model_identity(model, policy, model_id=MODEL_ID)
-    pools = make_pools(model, policy, model_id=MODEL_ID)
+    identity = EngineModel(model, MODEL_ID, policy=policy).identity
+    pools = make_pools(model, policy)
     index = ResidentIndex(pools)
     tokens = prompt_tokens(80, seed=41).tolist()
     with Store(tmp_path / "s") as store, installed(model):
-        cache = make_cache(model, policy, model_id=MODEL_ID, pools=pools)
+        cache = make_cache(model, policy, pools=pools)
         mx.eval(model(mx.array([tokens]), cache=cache))
         engine_model = EngineModel(model, MODEL_ID, policy=policy, resident=index)
         publish(engine_model, store, tokens, cache)
@@ -85,12 +86,12 @@ def test_a_salted_namespace_shares_resident_blocks_too(tmp_path):
 
     model = tiny_model("llama", mx.bfloat16)
     policy = KVPolicy(block_size_tokens=16)
-    pools = make_pools(model, policy, model_id=MODEL_ID)
+    pools = make_pools(model, policy)
     index = ResidentIndex(pools)
     tokens = prompt_tokens(48, seed=42).tolist()
     config = StoreConfig(chain_salts={"team-b": "ab" * 32})
     with Store(tmp_path / "s", config) as store, installed(model):
-        cache = make_cache(model, policy, model_id=MODEL_ID, pools=pools)
+        cache = make_cache(model, policy, pools=pools)
         mx.eval(model(mx.array([tokens]), cache=cache))
         engine_model = EngineModel(model, MODEL_ID, policy=policy, resident=index)
         publish(engine_model, store, tokens, cache, namespace="team-b")

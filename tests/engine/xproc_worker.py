@@ -101,7 +101,7 @@ def main(argv):
     out = {}
     with Store(spec["store"]) as store, installed(model):
         if spec["role"] == "publish":
-            cache = make_cache(model, policy, model_id="test/tiny")
+            cache = make_cache(model, policy)
             mx.eval(model(mx.array([spec["prompt"]]), cache=cache))
             result = publish(engine_model, store, spec["prompt"], cache, checkpoint="a")
             out = {"blocks": result.blocks, "pages_sent": result.pages_sent}
@@ -109,7 +109,7 @@ def main(argv):
             prompt = spec["prompt"]
             restored = restore(engine_model, store, RestoreRequest(prompt))
             got = _greedy(model, prompt[restored.tokens_restored:], restored.cache, spec["generate"])
-            fresh = make_cache(model, policy, model_id="test/tiny")
+            fresh = make_cache(model, policy)
             want = _greedy(model, prompt, fresh, spec["generate"])
             out = {"tokens_restored": restored.tokens_restored, "source": restored.source,
                    "got": got, "want": want}

@@ -183,7 +183,7 @@ def test_tenant_a_cannot_learn_tenant_bs_salt_or_find_its_prompt_by_computing_ke
 
 
 def _prefilled(model, policy, tokens):
-    cache = make_cache(model, policy, model_id=MODEL_ID)
+    cache = make_cache(model, policy)
     with installed(model):
         mx.eval(model(mx.array([tokens]), cache=cache))
     return cache
