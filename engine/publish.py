@@ -254,9 +254,9 @@ def upload(store, cap: Capture, *, namespace: str = DEFAULT_NAMESPACE,
     size = identity.block_size_tokens
     tokens = cap.tokens
     chunks = [tokens[i : i + size] for i in range(0, len(tokens), size)]
-    keys, parent = [], ROOT_KEY
+    keys, parent, salt = [], ROOT_KEY, store.chain_salt(namespace)
     for chunk in chunks:
-        parent = chain_key(fid, namespace, parent, chunk, salt=store.chain_salt(namespace))
+        parent = chain_key(fid, namespace, parent, chunk, salt=salt)
         keys.append(parent)
     stored = store.has_blocks(keys) if keys else []
     first_new = next((i for i, present in enumerate(stored) if not present), len(keys))
@@ -278,7 +278,7 @@ def upload(store, cap: Capture, *, namespace: str = DEFAULT_NAMESPACE,
             payload[digest] = data
             digests.append(digest)
         record = BlockRecord(fid, namespace, parent, chunks[i], tuple(digests),
-                             salt=store.chain_salt(namespace))
+                             salt=salt)
         records.append(record)
         parent = record.key
     attachment_digests = {}
