@@ -27,6 +27,7 @@ from engine.errors import EngineError
 from engine.serving.identity import ModelFingerprint, fingerprint_model
 from engine.serving.prompt_cache import ServingMetrics, TwoTierPromptCache
 from engine.serving.store_cache import ServingSettings, StoreTier, unsupported_reason
+from kvstore.errors import IncompatibleFormat
 
 log = logging.getLogger("kvstore.serve_model")
 
@@ -172,8 +173,13 @@ class _TierResolver:
             directory = local_model_dir(args.model)
             fingerprint = fingerprint_model(directory, name=model_name(args.model),
                                             adapter_dir=args.adapter_path)
-        tier = StoreTier(self._provider.model, fingerprint, self._connection.lookup_store,
-                         self._connection.publish_store, self._settings, self._metrics)
+        try:
+            tier = StoreTier(self._provider.model, fingerprint, self._connection.lookup_store,
+                             self._connection.publish_store, self._settings, self._metrics)
+        except IncompatibleFormat as exc:  # e.g. a --kv-policy of packed pages
+            log.warning("the store tier (L2) is off for %s: %s; L1 serves as usual",
+                        args.model, exc)
+            return None
         self._metrics.publisher_stats = tier.publisher.stats  # not tier.*: no model ref
         self.threads.append(tier.threads)
         log.info("store tier (L2) on: %s, namespace %s, model id %s, format %s",

@@ -5,15 +5,19 @@ engine.writebehind is in this file (issue 18 changes restore's signature: only
 StoreTier.restore_prefix needs to follow it).
 
 Lookup (generation thread, bounded):
-  1. in an I/O thread, lookup_prefix for the longest stored prefix of the prompt
-     (leaving one token to compute); only if it beats what L1 matched, read its pages
-     (verified against their hashes by the store as they are read);
+  1. in an I/O thread, the longest stored prefix of the prompt (leaving one token to
+     compute): for a model of full-attention layers, lookup_prefix over block records;
+     for a model with sliding-window layers (gemma3: RotatingKVCache), the longest
+     checkpoint whose tokens prefix the prompt (engine.restore.find_checkpoint: a ring
+     is valid only at exactly its own length). Only if it beats what L1 matched, read
+     its pages and attachments (verified against their hashes as they are read);
   2. wait at most settings.lookup_timeout_s for that thread. A timeout or any store
      error is a miss, counted, and L2 is skipped for settings.retry_after_s so that a
      dead store costs one timeout, not one per request. The I/O thread does no MLX
      work, so one that is left running cannot race the generation thread;
   3. on the generation thread, engine.restore rebuilds the pages into plain mlx-lm
-     KVCache objects (cache_kind="kvcache"), which mlx-lm's BatchGenerator can merge.
+     KVCache objects (cache_kind="kvcache") and a checkpoint's attachments into the
+     sliding layers' RotatingKVCaches, which mlx-lm's BatchGenerator can merge.
 
 Publish (generation thread, never waits on the store):
   the policy (segment type, minimum length, second sighting, byte budget per namespace)
@@ -21,12 +25,15 @@ Publish (generation thread, never waits on the store):
   segment's K/V: the only work done on the generation thread) and the
   WriteBehindPublisher uploads it from its own thread, dropping captures beyond its
   byte cap. Prefixes this process already published or restored are not captured again
-  (their chain keys are remembered, a bounded LRU).
+  (their chain keys are remembered, a bounded LRU). A model with sliding-window layers
+  publishes a checkpoint (engine.publish: capture with attachments, named by
+  prompt_checkpoint_name) and only where every layer sits exactly at the segment's
+  tokens; anything else is skipped ("skipped_inexact"), never stored partway.
 
-Supported models: every layer full attention (KVCache). Models with sliding-window or
-recurrent layers, --kv-bits, and draft models are served from L1 only (see
-unsupported_reason), since their caches are not plain mergeable KVCaches at every
-segment boundary.
+Supported models: full-attention layers (KVCache) with or without sliding-window
+layers (RotatingKVCache). Draft models and models none of whose layers counts its
+tokens (purely recurrent) are served from L1 only (see unsupported_reason); --kv-bits
+is refused by serve-model at start-up (KV_BITS_REFUSAL).
 """
 
 from __future__ import annotations
@@ -38,18 +45,21 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from mlx_lm.models.cache import KVCache
 
+from engine.attachments import token_offset
 from engine.engine_model import EngineModel
+from engine.geometry import leaf_caches
 from engine.policy import KVPolicy
-from engine.publish import capture
-from engine.restore import RestoreRequest, restore
+from engine.publish import capture, prompt_checkpoint_name
+from engine.restore import RestoreRequest, check_target, find_checkpoint, restore
 from engine.serving.identity import ModelFingerprint
 from engine.writebehind import DEFAULT_CAPACITY_NBYTES, WriteBehindPublisher
 from kvstore.ids import ROOT_KEY, chain_key, check_namespace
+from kvstore.records import Checkpoint
 from kvstore.store import PrefixMatch
 
 log = logging.getLogger("kvstore.serve_model")
@@ -58,6 +68,12 @@ SEGMENT_TYPES = ("system", "user", "assistant")
 DEFAULT_LOOKUP_TIMEOUT_S = 2.0
 DEFAULT_RETRY_AFTER_S = 10.0
 KNOWN_PREFIXES = 4096  # chain keys remembered for "already stored" and "seen once"
+KV_BITS_REFUSAL = (
+    "--kv-bits is not supported by serve-model: mlx-lm quantizes the cache once it holds "
+    "--quantized-kv-start tokens, at whatever offset the prefill reached, so a prompt "
+    "restored from the store would be quantized at another token than a recompute and "
+    "answer differently from stock mlx_lm.server. Run serve-model without --kv-bits, or "
+    "stock mlx_lm.server with it")
 
 
 @dataclass(frozen=True)
@@ -112,18 +128,55 @@ class Lookup:
     outcome: str = "miss"  # hit | miss | shorter | timeout | error | skipped
 
 
+@dataclass(frozen=True)
+class Found:
+    """What the I/O thread found for one prompt: a prefix match (full-attention model)
+    or a checkpoint and its block records (sliding-window model), and the verified
+    bytes of their pages and attachments when they beat L1 (else pages is None)."""
+
+    tokens: int
+    match: PrefixMatch | None = None
+    checkpoint: Checkpoint | None = None
+    blocks: tuple = ()
+    pages: dict | None = None
+
+    @property
+    def tail_keys(self) -> list:
+        if self.checkpoint is not None:
+            return list(self.checkpoint.chain_keys[-1:])
+        return [b.key for b in self.blocks[-1:]]
+
+
 class _Prefetched:
     """A PageReader (kvstore.protocol) over what the I/O thread already fetched: one
-    prefix match and its verified page bytes. It answers the reads of a prefix restore
-    and nothing else (anything else would be a bug here: AssertionError)."""
+    prefix match or checkpoint and its verified page bytes. It answers the reads of
+    that one restore and nothing else (anything else would be a bug here:
+    AssertionError)."""
 
     maps_pages = False  # the pages are buffers in this process, not a mapped file
 
-    def __init__(self, match: PrefixMatch, pages: dict):
-        self._match, self._pages = match, pages
+    def __init__(self, found: Found):
+        self._found, self._pages = found, found.pages
+        keys = (found.checkpoint.chain_keys if found.checkpoint is not None
+                else [b.key for b in found.blocks])
+        self._blocks = {bytes(k): b for k, b in zip(keys, found.blocks, strict=True)}
 
     def lookup_prefix(self, format_id, namespace, tokens, *, max_tokens=None) -> PrefixMatch:
-        return self._match
+        assert self._found.match is not None, "a checkpoint restore looked a prefix up"
+        return self._found.match
+
+    def get_checkpoint(self, namespace, name) -> Checkpoint:
+        assert self._found.checkpoint is not None and name == self._found.checkpoint.name
+        return self._found.checkpoint
+
+    def has_blocks(self, keys: Sequence) -> list[bool]:
+        return [bytes(k) in self._blocks for k in keys]
+
+    def get_blocks(self, keys: Sequence) -> list:
+        return [self._blocks[bytes(k)] for k in keys]
+
+    def missing(self, digests) -> list:
+        return [d for d in digests if d not in self._pages]
 
     def read_pages(self, digests: Sequence) -> list:
         return [self._pages[d] for d in digests]
@@ -133,7 +186,7 @@ class _Prefetched:
         yield self.read_pages(digests)
 
     def __getattr__(self, name):
-        raise AssertionError(f"a prefetched prefix restore read store.{name}")
+        raise AssertionError(f"a prefetched restore read store.{name}")
 
 
 def unsupported_reason(model, cli_args) -> str | None:
@@ -141,24 +194,36 @@ def unsupported_reason(model, cli_args) -> str | None:
     if getattr(cli_args, "draft_model", None):
         return "a draft model (speculative decoding) appends the draft's caches"
     if getattr(cli_args, "kv_bits", None) is not None:
-        return "--kv-bits quantizes the cache as it grows (no plain KVCache to publish)"
-    caches = model.make_cache() if hasattr(model, "make_cache") else [KVCache()]
-    kinds = sorted({type(c).__name__ for c in caches if type(c) is not KVCache})
-    if kinds:
-        return f"layers with {', '.join(kinds)} (only full-attention models are supported)"
+        return KV_BITS_REFUSAL
+    caches = leaf_caches(model.make_cache() if hasattr(model, "make_cache") else [KVCache()])
+    if all(token_offset(c) is None for c in caches):
+        return ("no layer counts its tokens (recurrent state only), so a segment boundary "
+                "cannot be checked before publishing")
     return None
 
 
-def _fetch(store, format_id: bytes, namespace: str, tokens: list[int], limit: int,
-           better_than: int):
-    """I/O thread: the match, and its page bytes when it beats `better_than`. A plain
-    function of the store: an abandoned (timed-out) call holds no model or cache."""
-    match = store.lookup_prefix(format_id, namespace, tokens, max_tokens=limit)
-    if match.tokens_matched <= better_than:
-        return match, None
-    digests = [d for b in match.blocks for d in b.pages]
+def _fetch(store, identity, namespace: str, tokens: list[int], limit: int,
+           better_than: int) -> Found:
+    """I/O thread: the longest stored prefix, and its page bytes when it beats
+    `better_than`. Store calls only: an abandoned (timed-out) call holds no model, cache
+    or MLX array, so it cannot race the generation thread."""
+    if all(layer.paged for layer in identity.layers):
+        match = store.lookup_prefix(identity.format_id, namespace, tokens, max_tokens=limit)
+        found = Found(match.tokens_matched, match=match, blocks=tuple(match.blocks))
+        digests = [d for b in match.blocks for d in b.pages]
+    else:  # sliding layers: restored from checkpoints only, at exactly their length
+        ckpt = find_checkpoint(store, identity, namespace, tokens, limit)
+        if ckpt is None:
+            return Found(0)
+        if len(ckpt.tokens) <= better_than:
+            return Found(len(ckpt.tokens), checkpoint=ckpt)
+        blocks = tuple(store.get_blocks(ckpt.chain_keys))
+        found = Found(len(ckpt.tokens), checkpoint=ckpt, blocks=blocks)
+        digests = [d for b in blocks for d in b.pages] + list(ckpt.attachments.values())
+    if found.tokens <= better_than:
+        return found
     pages = store.read_pages(digests) if digests else []
-    return match, dict(zip(digests, pages, strict=True))
+    return replace(found, pages=dict(zip(digests, pages, strict=True)))
 
 
 @dataclass
@@ -208,6 +273,9 @@ class StoreTier:
         self.engine_model = EngineModel(model, fingerprint.model_id, policy=settings.policy,
                                         tokenizer_fingerprint=fingerprint.tokenizer_fingerprint)
         self.identity = self.engine_model.identity
+        check_target(self.identity, "kvcache")  # native pages only: IncompatibleFormat
+        # a model with sliding (non-paged) layers publishes and restores checkpoints
+        self._checkpointed = not all(layer.paged for layer in self.identity.layers)
         self.model_id = fingerprint.model_id
         self.block_size = self.identity.block_size_tokens
         self._lookup_store = lookup_store
@@ -236,10 +304,10 @@ class StoreTier:
         now = time.monotonic()
         if now < self._skip_until:
             return Lookup(None, outcome="skipped")
-        future = self.threads.io.submit(_fetch, self._lookup_store, self.identity.format_id,
+        future = self.threads.io.submit(_fetch, self._lookup_store, self.identity,
                                         self.namespace, tokens, limit, better_than)
         try:
-            match, pages = future.result(timeout=self.settings.lookup_timeout_s)
+            found = future.result(timeout=self.settings.lookup_timeout_s)
         except FutureTimeout:
             self._skip_until = time.monotonic() + self.settings.retry_after_s
             log.warning("store lookup took over %.2fs: served as a miss; skipping the store "
@@ -250,19 +318,21 @@ class StoreTier:
             log.warning("store lookup failed (%s: %s): served as a miss; skipping the store "
                         "for %.0fs", type(exc).__name__, exc, self.settings.retry_after_s)
             return Lookup(None, seconds=time.monotonic() - now, outcome="error")
-        if pages is None:
+        if found.pages is None:
             return Lookup(None, seconds=time.monotonic() - now,
-                          outcome="shorter" if match.tokens_matched else "miss")
-        restored = self.restore_prefix(tokens, match, pages, limit)
-        self._remember(match.chain_keys[-1:])
+                          outcome="shorter" if found.tokens else "miss")
+        restored = self.restore_prefix(tokens, found, limit)
+        self._remember(found.tail_keys)
         return Lookup(restored.cache, restored.tokens_restored, restored.bytes_read,
                       time.monotonic() - now, "hit")
 
-    def restore_prefix(self, tokens: list[int], match: PrefixMatch, pages: dict, limit: int):
-        """engine.restore over the prefetched pages, into mlx-lm KVCaches."""
-        return restore(self.engine_model, _Prefetched(match, pages),
+    def restore_prefix(self, tokens: list[int], found: Found, limit: int):
+        """engine.restore over the prefetched pages: mlx-lm KVCaches for full-attention
+        layers, a checkpoint's RotatingKVCaches for sliding ones."""
+        name = found.checkpoint.name if found.checkpoint is not None else None
+        return restore(self.engine_model, _Prefetched(found),
                        RestoreRequest(tokens, max_restore_tokens=limit, cache_kind="kvcache",
-                                      namespace=self.namespace))
+                                      checkpoint=name, namespace=self.namespace))
 
     # -- publish -------------------------------------------------------------------
     def tail_key(self, tokens: Sequence[int]) -> bytes:
@@ -283,11 +353,21 @@ class StoreTier:
         s = self.settings
         if segment_type not in s.publish_segments:
             return "skipped_type"
-        if not caches or not all(isinstance(c, KVCache) for c in caches):
+        leaves = leaf_caches(caches) if caches else []
+        if len(leaves) != len(self.identity.layers):
             return "skipped_cache"
         if min(tokens, default=0) < 0:
             return "skipped_images"
-        n = min(len(tokens), min(c.offset for c in caches))
+        if self._checkpointed:
+            # sliding rings are valid at exactly their own length: a checkpoint is taken
+            # only where every counting layer sits at the segment's tokens
+            n = len(tokens)
+            if {token_offset(c) for c in leaves} - {None} != {n}:
+                return "skipped_inexact"
+        elif not all(isinstance(c, KVCache) for c in leaves):
+            return "skipped_cache"
+        else:
+            n = min(len(tokens), min(c.offset for c in leaves))
         if n < s.min_tokens:
             return "skipped_short"
         tokens = [int(t) for t in tokens[:n]]
@@ -308,8 +388,14 @@ class StoreTier:
                 return "skipped_budget"
             self._published_nbytes += nbytes
             self._known.add(key)
-        cap = capture(self.identity, tokens, caches)
-        return "queued" if self.publisher.submit(cap, namespace=self.namespace) else "dropped"
+        if self._checkpointed:  # as engine.publish.publish does at a prompt boundary
+            cap = capture(self.identity, tokens, caches, attachments=True)
+            queued = self.publisher.submit(cap, namespace=self.namespace,
+                                           checkpoint=prompt_checkpoint_name(cap.tokens))
+        else:
+            queued = self.publisher.submit(capture(self.identity, tokens, caches),
+                                           namespace=self.namespace)
+        return "queued" if queued else "dropped"
 
     def close(self, drain_timeout_s: float) -> bool:
         return self.threads.close(drain_timeout_s)

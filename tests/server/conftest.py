@@ -28,6 +28,14 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def gemma_dir(tmp_path_factory):
+    """A gemma3-style model: layers 0 and 2 slide (RotatingKVCache of 64 tokens, so the
+    fixture prompts rotate the ring), layers 1 and 3 are full attention (KVCache)."""
+    return build_model_dir(tmp_path_factory.mktemp("models") / "tiny-gemma3",
+                           model_type="gemma3_text", num_layers=4, head_dim=16)
+
+
+@pytest.fixture(scope="session")
 def other_weights_dir(tmp_path_factory):
     """Same config and tokenizer as model_dir, other random weights."""
     return build_model_dir(tmp_path_factory.mktemp("models") / "tiny-llama", seed=1)

@@ -210,6 +210,21 @@ def test_serve_model_exits_2_on_bad_settings(args, message, model_dir, tmp_path)
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.parametrize("flag", [["--kv-bits", "8"], ["--kv-bits=4"]])
+def test_serve_model_refuses_kv_bits_before_opening_anything(flag, model_dir, tmp_path):
+    """A restored prefix would be quantized at another offset than a recompute: refused
+    with the reason, exit 2, nothing opened."""
+    from typer.testing import CliRunner
+
+    from tools.cli import app
+
+    result = CliRunner().invoke(app, ["serve-model", "--model", str(model_dir),
+                                      "--store", str(tmp_path / "s"), *flag])
+    assert result.exit_code == 2, result.output
+    assert "--kv-bits is not supported by serve-model" in " ".join(result.output.split())
+    assert not (tmp_path / "s").exists()
+
+
 def test_serve_model_wants_exactly_one_store(model_dir, tmp_path):
     from typer.testing import CliRunner
 
@@ -218,3 +233,49 @@ def test_serve_model_wants_exactly_one_store(model_dir, tmp_path):
     for args in ([], ["--store", str(tmp_path / "s"), "--url", "http://127.0.0.1:9"]):
         result = CliRunner().invoke(app, ["serve-model", "--model", str(model_dir), *args])
         assert result.exit_code == 2 and "--store DIR or --url URL" in result.output, result.output
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_dir):
+    model, _ = load(str(gemma_dir))
+    return model, fingerprint_model(gemma_dir)
+
+
+def test_sliding_model_publishes_a_checkpoint_at_the_boundary_and_restores_it_exactly(
+        gemma, tmp_path):
+    """gemma3-style: the sliding layers' rings (64 tokens, rotated by 70) come back from
+    the checkpoint's attachments, the full-attention layers from its pages; the next
+    tokens' logits equal a recompute's (tolerance 0)."""
+    model, _ = gemma
+    caches = prefill(model, TOKENS)
+    assert {type(c).__name__ for c in caches} == {"RotatingKVCache", "KVCache"}
+    with Store(tmp_path / "s") as store:
+        tier = tier_for(gemma, store)
+        assert tier.offer(TOKENS, caches, "system") == "queued"
+        assert tier.publisher.drain(10) and tier.publisher.stats()["published"] == 1
+        [ckpt] = store.list_checkpoints("test")
+        assert tuple(ckpt.tokens) == tuple(TOKENS) and ckpt.attachments
+        fresh = tier_for(gemma, store)
+        prompt = TOKENS + [9, 10, 11]
+        got = fresh.lookup(prompt, l1_tokens=0)
+        assert got.outcome == "hit" and got.tokens == len(TOKENS)
+        assert [isinstance(c, type(k)) for c, k in zip(got.cache, caches, strict=True)] == [True] * 4
+        rest = mx.array([prompt[len(TOKENS):]])
+        restored_logits = model(rest, cache=got.cache)
+        computed_logits = model(mx.array([prompt]), cache=make_prompt_cache(model))[:, len(TOKENS):]
+        assert mx.array_equal(restored_logits, computed_logits).item()  # tolerance 0
+        # a prompt only a shorter checkpoint prefixes is not restored partway
+        assert fresh.lookup(TOKENS[:60] + [9, 10], l1_tokens=0).outcome == "miss"
+        tier.close(1)
+        fresh.close(1)
+
+
+def test_sliding_model_skips_boundaries_the_cache_ran_past(gemma, tmp_path):
+    """A ring that holds more tokens than the segment is not valid at the segment."""
+    model, _ = gemma
+    caches = prefill(model, TOKENS)
+    with Store(tmp_path / "s") as store:
+        tier = tier_for(gemma, store)
+        assert tier.offer(TOKENS[:50], caches, "user") == "skipped_inexact"
+        assert tier.publisher.stats()["published"] == 0
+        tier.close(1)

@@ -4,14 +4,18 @@ Used by the serve-model tests (tests/server, tiny sizes) and the server benchmar
 (tools/bench/server.py, CPU-scaled sizes).
 
 build_model_dir(path) writes
-  config.json, model.safetensors(.index.json)   a tiny random-weight llama, saved with
-                                                mlx-lm's own save_model / save_config
+  config.json, model.safetensors(.index.json)   a tiny random-weight llama (or, with
+                                                model_type="gemma3_text", a gemma3-style
+                                                model whose sliding layers keep a
+                                                RotatingKVCache), saved with mlx-lm's
+                                                own save_model / save_config
   tokenizer.json                                a byte-level BPE trained with the
                                                 `tokenizers` library on a synthetic corpus
   tokenizer_config.json                         PreTrainedTokenizerFast, bos/eos/unk/pad
                                                 and a ChatML-like chat template
 
-The q/k projections are scaled (x16 by default): with unscaled random weights the
+The q/k projections are scaled (x16 by default; gemma3 RMS-normalises q and k, so
+there the norms' weights carry the scale): with unscaled random weights the
 attention is nearly uniform and greedy decoding collapses into one repeated token, so
 "same text as stock" would prove nothing. The special tokens' (tied) embedding rows are
 zero, so their logit is 0 while the best token's is positive: greedy decoding never
@@ -73,30 +77,55 @@ def write_tokenizer(path: Path, vocab_size: int = 384, seed: int = 0) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def write_model(path: Path, vocab_size: int, *, seed: int = 0, qk_scale: float = 16.0,
-                hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
-                num_kv_heads: int = 2, head_dim: int | None = None,
-                intermediate_size: int | None = None) -> None:
-    import mlx.core as mx
-    from mlx_lm.models import llama
-    from mlx_lm.utils import save_config, save_model
+GEMMA3_SLIDING_WINDOW = 64  # tokens a sliding layer keeps: the fixture prompts rotate it
 
-    config = {
-        "model_type": "llama", "hidden_size": hidden_size, "num_hidden_layers": num_layers,
+
+def _model_config(model_type: str, vocab_size: int, hidden_size: int, num_layers: int,
+                  num_heads: int, num_kv_heads: int, head_dim: int | None,
+                  intermediate_size: int | None) -> dict:
+    common = {
+        "model_type": model_type, "hidden_size": hidden_size, "num_hidden_layers": num_layers,
         "intermediate_size": intermediate_size or 2 * hidden_size,
         "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
-        "head_dim": head_dim or hidden_size // num_heads, "rms_norm_eps": 1e-5,
-        "vocab_size": vocab_size, "rope_theta": 10000.0, "tie_word_embeddings": True,
+        "head_dim": head_dim or hidden_size // num_heads, "vocab_size": vocab_size,
         "max_position_embeddings": 32768, "bos_token_id": 1, "eos_token_id": 5,
     }
+    if model_type == "llama":
+        return {**common, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True}
+    if model_type == "gemma3_text":
+        # every other layer slides (layers 0, 2, ...: RotatingKVCache), the rest are full
+        # attention (KVCache); q and k are RMS-normed, so sharpness comes from the scale
+        return {**common, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+                "rope_local_base_freq": 10_000.0, "sliding_window": GEMMA3_SLIDING_WINDOW,
+                "sliding_window_pattern": 2, "query_pre_attn_scalar": common["head_dim"]}
+    raise ValueError(f"model_type must be llama or gemma3_text, got {model_type!r}")
+
+
+def write_model(path: Path, vocab_size: int, *, seed: int = 0, qk_scale: float = 16.0,
+                model_type: str = "llama", hidden_size: int = 64, num_layers: int = 2,
+                num_heads: int = 4, num_kv_heads: int = 2, head_dim: int | None = None,
+                intermediate_size: int | None = None) -> None:
+    import importlib
+
+    import mlx.core as mx
+    from mlx_lm.utils import save_config, save_model
+
+    config = _model_config(model_type, vocab_size, hidden_size, num_layers, num_heads,
+                           num_kv_heads, head_dim, intermediate_size)
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
     mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model = module.Model(module.ModelArgs.from_dict(config))
     for layer in model.layers:
         attn = layer.self_attn
-        attn.q_proj.weight = attn.q_proj.weight * qk_scale
-        attn.k_proj.weight = attn.k_proj.weight * qk_scale
+        if model_type == "llama":
+            attn.q_proj.weight = attn.q_proj.weight * qk_scale
+            attn.k_proj.weight = attn.k_proj.weight * qk_scale
+        else:  # gemma's RMSNorm scales by (1 + weight): sqrt(qk_scale) on each of q and k
+            attn.q_norm.weight = mx.full(attn.q_norm.weight.shape, qk_scale ** 0.5 - 1)
+            attn.k_norm.weight = mx.full(attn.k_norm.weight.shape, qk_scale ** 0.5 - 1)
     silent = mx.arange(vocab_size) < len(SPECIALS)  # BpeTrainer puts specials first: ids 0..5
-    model.model.embed_tokens.weight = mx.where(silent[:, None], 0.0, model.model.embed_tokens.weight)
+    embed = model.model.embed_tokens
+    embed.weight = mx.where(silent[:, None], 0.0, embed.weight)
     model.set_dtype(mx.float16)  # dtype of the weights on disk, as a real checkpoint
     mx.eval(model.parameters())
     save_model(path, model)

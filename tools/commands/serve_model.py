@@ -85,6 +85,10 @@ def serve_model(
 
     if (store_dir is None) == (url is None):
         fail("pass one of --store DIR or --url URL (with --token)", EXIT_USAGE)
+    if any(arg == "--kv-bits" or arg.startswith("--kv-bits=") for arg in ctx.args):
+        from engine.serving.store_cache import KV_BITS_REFUSAL
+
+        fail(KV_BITS_REFUSAL, EXIT_USAGE)
     try:
         check_mlx_lm()
     except UnsupportedMlxLm as exc:
