@@ -4,10 +4,14 @@ serve(argv, ...) runs mlx-lm's own main() on argv (every mlx_lm.server flag, par
 mlx-lm itself), with one module attribute replaced for the duration: mlx_lm.server.run,
 the function main() calls with (host, port, ModelProvider). The replacement does what
 mlx-lm's run() does (build the prompt cache, a ResponseGenerator over it, then
-_run_http_server, or join() on a non-zero distributed rank) with two differences: the
-prompt cache is a TwoTierPromptCache, and the request handler is mlx-lm's APIHandler
-with one more GET route, /metrics. mlx-lm's request handling, batching, tokenisation
-and HTTP API are its own, unchanged; nothing of them is copied here.
+_run_http_server, or join() on a non-zero distributed rank) with these differences: the
+prompt cache is a TwoTierPromptCache; the ResponseGenerator is mlx-lm's with generate()
+extended (on the HTTP handler thread, before the request is queued, the prompt is
+tokenized with mlx-lm's own _tokenize and looked up in the store, so the generation
+thread never waits on it); the ModelProvider's load() also builds the store tier, on
+the generation thread, once the model is loaded; and the request handler is mlx-lm's
+APIHandler with one more GET route, /metrics. mlx-lm's request handling, batching,
+tokenisation and HTTP API are its own, unchanged; nothing of them is copied here.
 
 Those hooks are mlx-lm internals, so check_mlx_lm() refuses, before anything starts,
 an mlx-lm outside SUPPORTED_MLX_LM or one whose hook signatures differ from what this
@@ -16,9 +20,12 @@ file was written against (mlx-lm 0.32.2).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import sys
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -39,6 +46,10 @@ _HOOKS = {
     "main": (),
     "_run_http_server": ("host", "port", "response_generator", "server_class", "handler_class"),
     "ResponseGenerator.__init__": ("self", "model_provider", "prompt_cache"),
+    "ResponseGenerator.generate": ("self", "request", "generation_args", "progress_callback"),
+    "ResponseGenerator._tokenize": ("self", "tokenizer", "request", "args"),
+    "ResponseGenerator.generation_available": ("self",),
+    "ModelProvider.load": ("self", "model_path", "adapter_path", "draft_model_path"),
     "LRUPromptCache.__init__": ("self", "max_size", "max_bytes"),
     "LRUPromptCache.fetch_nearest_cache": ("self", "model", "tokens"),
     "LRUPromptCache.insert_cache": ("self", "model", "tokens", "prompt_cache", "cache_type"),
@@ -84,9 +95,18 @@ def check_mlx_lm():
         got = tuple(inspect.signature(obj).parameters)[: len(params)]
         if got != params:
             problems.append(f"mlx_lm.server.{name}{got} where {params} was expected")
-    from mlx_lm.models.cache import LRUPromptCache
+    from mlx_lm.models.cache import LRUPromptCache, PromptTrie
     if server.LRUPromptCache is not LRUPromptCache:
         problems.append("mlx_lm.server.LRUPromptCache is not mlx_lm.models.cache.LRUPromptCache")
+    # TwoTierPromptCache.l1_tokens_hint reads L1's trie (search, get) on handler threads
+    if not isinstance(getattr(LRUPromptCache(1), "_trie", None), PromptTrie):
+        problems.append("LRUPromptCache() has no PromptTrie _trie")
+    for name, params in (("search", ("self", "model", "tokens")),
+                         ("get", ("self", "model", "tokens"))):
+        method = getattr(PromptTrie, name, None)
+        got = tuple(inspect.signature(method).parameters)[:3] if callable(method) else None
+        if got != params:
+            problems.append(f"mlx_lm.models.cache.PromptTrie.{name}{got} where {params} was expected")
     if problems:
         raise UnsupportedMlxLm(f"mlx-lm {mlx_lm.__version__}'s server hooks differ from the ones "
                                f"serve-model was written against: " + "; ".join(problems))
@@ -151,19 +171,35 @@ class _TierResolver:
         self._fingerprint = fingerprint
         self._default_key = (args.model, args.adapter_path, args.draft_model)
         self._resolved, self._tier = False, None
+        self.resolved = threading.Event()  # set once the default model's tier is decided
         self.threads = []  # TierThreads of the tiers built: closed at shutdown
 
     def __call__(self, model_key):
+        """Generation thread: the tier for model_key, built on first use."""
         if model_key != self._default_key or self._provider.model_key != model_key:
             return None
         if not self._resolved:
-            self._resolved = True
-            self._tier = self._build()
+            try:
+                self._tier = self._build()
+            finally:
+                self._resolved = True
+                self.resolved.set()
         return self._tier
+
+    def built(self, model_key):
+        """Any thread: the tier for model_key if it is built and its model loaded, else
+        None (never builds: the probe runs the model, which only the generation thread
+        may do)."""
+        if not self._resolved or model_key != self._default_key:
+            return None
+        return self._tier if self._provider.model_key == model_key else None
 
     def _build(self):
         args = self._provider.cli_args
         reason = unsupported_reason(self._provider.model, args)
+        if getattr(self._provider, "is_distributed", False):
+            reason = ("distributed serving: only rank 0 sees requests (and prefetches), so "
+                      "the ranks would restore different caches")
         if reason is not None:
             log.warning("the store tier (L2) is off for %s: %s; L1 serves as usual",
                         args.model, reason)
@@ -187,6 +223,38 @@ class _TierResolver:
                  tier.identity.format_id_hex[:16])
         return tier
 
+
+
+def _generator_class(base, resolved: threading.Event):
+    class PrefetchingResponseGenerator(base):
+        """mlx-lm's ResponseGenerator whose generate() (an HTTP handler thread) first
+        looks the prompt up in the store, so the generation thread only takes a ready
+        result (engine/serving/store_cache.py, Lookup)."""
+
+        def generate(self, request, generation_args, progress_callback=None):
+            self._prefetch(request, generation_args)
+            return super().generate(request, generation_args, progress_callback)
+
+        def _prefetch(self, request, args) -> None:
+            provider = self.model_provider
+            if args.model.model not in ("default_model", provider.cli_args.model):
+                return  # another model: L1 only
+            # the first requests may arrive while the generation thread loads the
+            # model; they wait for that anyway, so wait here until its tier is decided
+            while not resolved.wait(0.5):
+                if not self.generation_available():
+                    return
+            prompt_cache = getattr(self, "prompt_cache", None)  # gone after shutdown
+            model_key, tokenizer = provider.model_key, provider.tokenizer
+            if prompt_cache is None or tokenizer is None:
+                return
+            try:  # mlx-lm's own tokenisation, on a copy (it edits messages in place)
+                tokens = self._tokenize(tokenizer, copy.deepcopy(request), args)[0]
+            except Exception:  # noqa: BLE001 - the generation thread reports it to the client
+                return
+            prompt_cache.prefetch(model_key, list(tokens))
+
+    return PrefetchingResponseGenerator
 
 
 def _close_threads(threads: list, drain_timeout_s: float) -> None:
@@ -233,11 +301,24 @@ def serve(argv: list[str], connection: StoreConnection, settings: ServingSetting
         # L1 entry): mlx-lm's generation thread deletes it when it stops, which frees
         # them on that thread, as mlx-lm intends. Shutdown keeps only the threads.
         resolver = _TierResolver(model_provider, connection, settings, metrics, fingerprint)
-        threads = resolver.threads
-        generator = server.ResponseGenerator(
-            model_provider, TwoTierPromptCache(model_provider.cli_args.prompt_cache_size,
-                                               resolve_tier=resolver, metrics=metrics))
-        del resolver
+        threads, resolved = resolver.threads, resolver.resolved
+        load = model_provider.load
+        prompt_cache = TwoTierPromptCache(model_provider.cli_args.prompt_cache_size,
+                                          resolve_tier=resolver, metrics=metrics)
+        cache_ref = weakref.ref(prompt_cache)  # the provider must not keep the tier alive
+
+        def load_and_build_tier(*args, **kwargs):
+            # on the generation thread (mlx-lm loads there): the tier is built before the
+            # first request is served, so handler threads can prefetch from then on
+            loaded = load(*args, **kwargs)
+            if (cache := cache_ref()) is not None:
+                cache.prepare(model_provider.model_key)
+            return loaded
+
+        model_provider.load = load_and_build_tier
+        generator = _generator_class(server.ResponseGenerator, resolved)(
+            model_provider, prompt_cache)
+        del resolver, prompt_cache
         if on_ready is not None:
             on_ready(metrics)
         try:

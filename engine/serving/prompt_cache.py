@@ -5,15 +5,19 @@ prompt and insert_cache(model_key, tokens, cache, cache_type=...) at each segmen
 boundary (system prompt, user turn) and after the answer. This subclass keeps L1's
 behaviour exactly (it calls it first) and:
 
-  fetch   when L1 matched fewer tokens than the store may hold, asks the StoreTier for
-          a longer prefix (bounded in time, a miss on any store trouble) and returns
-          that instead; mlx-lm then reports len(prompt) - len(rest) as
-          usage.prompt_tokens_details.cached_tokens, so the count covers both tiers;
+  prefetch (HTTP handler thread, before the request is queued) asks the StoreTier to
+          find and read the longest stored prefix that beats what L1 holds now (a
+          read of L1's trie under this cache's lock: a hint, L1 may change before
+          the request is served);
+  fetch   when L1 matched fewer tokens than the prefetched prefix, restores that
+          instead (never a wait on the store); mlx-lm then reports
+          len(prompt) - len(rest) as usage.prompt_tokens_details.cached_tokens, so
+          the count covers both tiers;
   insert  after L1 took the cache, offers it to the StoreTier's publish policy (a host
           copy, then write-behind upload; never a wait on the store).
 
-Both calls run on the generation thread; nothing here raises into it for store trouble.
-One log line per request (the fetch) says what each tier gave.
+fetch and insert run on the generation thread; nothing here raises into it for store
+trouble. One log line per request (the fetch) says what each tier gave.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import time
 from collections import Counter
 from typing import Any, Callable, List
 
-from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
 from engine.serving.store_cache import Lookup
 
@@ -51,6 +55,8 @@ class ServingMetrics:
             if lookup.outcome != "off":
                 c["l2_lookup_seconds_sum"] += lookup.seconds
                 c["l2_lookup_seconds_count"] += 1
+                c["l2_prefetch_seconds_sum"] += lookup.prefetch_seconds
+                c["l2_prefetch_seconds_count"] += 1
             if lookup.cache is not None:
                 c["l2_tokens_restored"] += lookup.tokens
                 c["l2_bytes_read"] += lookup.bytes_read
@@ -97,9 +103,14 @@ class ServingMetrics:
                [("", c.get("tokens_computed", 0))])
         metric("l2_bytes_read_total", "counter", "page bytes read from the store",
                [("", c.get("l2_bytes_read", 0))])
-        metric("l2_lookup_seconds", "summary", "L2 lookup and restore time on the generation thread",
+        metric("l2_lookup_seconds", "summary", "L2 time on the generation thread (taking the "
+               "prefetched prefix and restoring it)",
                [("_sum", round(c.get("l2_lookup_seconds_sum", 0.0), 6)),
                 ("_count", c.get("l2_lookup_seconds_count", 0))])
+        metric("l2_prefetch_seconds", "summary", "L2 lookup and page reads on the HTTP handler "
+               "thread, before the request is queued (bounded by --lookup-timeout)",
+               [("_sum", round(c.get("l2_prefetch_seconds_sum", 0.0), 6)),
+                ("_count", c.get("l2_prefetch_seconds_count", 0))])
         metric("publish_offers_total", "counter", "segment boundaries offered for publication, "
                "by policy decision", [(f'{{decision="{k}"}}', v)
                                       for k, v in sorted(snap["publish_offers"].items())])
@@ -117,13 +128,48 @@ class ServingMetrics:
 
 
 class TwoTierPromptCache(LRUPromptCache):
-    """See the module docstring. resolve_tier(model_key) -> StoreTier | None."""
+    """See the module docstring. resolve_tier(model_key) -> StoreTier | None, built on
+    the generation thread; resolve_tier.built(model_key) -> the tier if it is built."""
 
     def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63, *,
                  resolve_tier: Callable[[Any], Any], metrics: ServingMetrics):
         super().__init__(max_size, max_bytes)
         self._resolve_tier = resolve_tier
         self.metrics = metrics
+        # L1's trie is changed on the generation thread and read by prefetch() on
+        # handler threads: changes and those reads hold this lock (fetch only reads)
+        self._l1_lock = threading.Lock()
+
+    def prepare(self, model: Any) -> None:
+        """Generation thread, after a model load: build its tier now (not at the first
+        request), so handler threads can prefetch for it."""
+        self._resolve_tier(model)
+
+    def l1_tokens_hint(self, model: Any, tokens: List[int]) -> int:
+        """The tokens fetch_nearest_cache would take from L1 now (its rule: an exact
+        entry, a longer trimmable one's common prefix, else the longest shorter one),
+        without copying anything. Reads mlx-lm's trie (checked by check_mlx_lm)."""
+        with self._l1_lock:
+            result = self._trie.search(model, tokens)
+            if result.exact is not None:
+                return len(tokens)
+            short = len(result.shorter) if result.shorter is not None else 0
+            if result.longer is not None and result.common_prefix > short:
+                entry = self._trie.get(result.model, result.longer)
+                if can_trim_prompt_cache(entry.prompt_cache):
+                    return min(len(tokens) - 1, result.common_prefix)
+            return short
+
+    def prefetch(self, model: Any, tokens: List[int]) -> None:
+        """HTTP handler thread: start and await (bounded) the store lookup for a prompt
+        about to be queued, when the model's tier is built. Never raises."""
+        tier = self._resolve_tier.built(model)
+        if tier is None:
+            return
+        try:
+            tier.prefetch(tokens, self.l1_tokens_hint(model, tokens))
+        except Exception:  # noqa: BLE001 - the request is served without it (unprefetched)
+            log.exception("L2 prefetch failed; the request is served as a miss")
 
     def fetch_nearest_cache(self, model: Any, tokens: List[int]):
         cache, rest = super().fetch_nearest_cache(model, tokens)
@@ -140,15 +186,17 @@ class TwoTierPromptCache(LRUPromptCache):
             cache, rest = lookup.cache, tokens[lookup.tokens:]
         self.metrics.record_request(len(tokens), l1_tokens, lookup)
         cached = len(tokens) - len(rest)
-        log.info("prompt %d tokens: cached %d (L1 %d, L2 restored %d, L2 %s, %.1f ms, %d bytes), "
-                 "computed %d", len(tokens), cached, l1_tokens,
+        log.info("prompt %d tokens: cached %d (L1 %d, L2 restored %d, L2 %s, prefetch %.1f ms, "
+                 "restore %.1f ms, %d bytes), computed %d", len(tokens), cached, l1_tokens,
                  lookup.tokens if lookup.cache is not None else 0, lookup.outcome,
-                 lookup.seconds * 1e3, lookup.bytes_read, len(rest))
+                 lookup.prefetch_seconds * 1e3, lookup.seconds * 1e3, lookup.bytes_read,
+                 len(rest))
         return cache, rest
 
     def insert_cache(self, model: Any, tokens: List[int], prompt_cache: List[Any], *,
                      cache_type: str = "assistant"):
-        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        with self._l1_lock:
+            super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         tier = self._resolve_tier(model)
         if tier is None:
             return
@@ -159,3 +207,7 @@ class TwoTierPromptCache(LRUPromptCache):
             log.exception("could not capture a %s segment for publication", cache_type)
             decision = "error"
         self.metrics.record_offer(decision, time.perf_counter() - start)
+
+    def trim_to(self, *, n_sequences=None, n_bytes=None):
+        with self._l1_lock:
+            super().trim_to(n_sequences=n_sequences, n_bytes=n_bytes)

@@ -4,20 +4,28 @@ Every call from engine.serving into engine.restore, engine.publish, engine.model
 engine.writebehind is in this file (issue 18 changes restore's signature: only
 StoreTier.restore_prefix needs to follow it).
 
-Lookup (generation thread, bounded):
-  1. in an I/O thread, the longest stored prefix of the prompt (leaving one token to
+Lookup (off the generation thread; the generation thread never waits on the store):
+  1. prefetch(tokens, l1_hint), on the HTTP handler thread when the request arrives
+     (engine/serving/mlx_server.py tokenizes it there with mlx-lm's own _tokenize):
+     in an I/O thread, the longest stored prefix of the prompt (leaving one token to
      compute): for a model of full-attention layers, lookup_prefix over block records;
      for a model with sliding-window layers (gemma3: RotatingKVCache), the longest
      checkpoint whose tokens prefix the prompt (engine.restore.find_checkpoint: a ring
-     is valid only at exactly its own length). Only if it beats what L1 matched, read
-     its pages and attachments (verified against their hashes as they are read);
-  2. wait at most settings.lookup_timeout_s for that thread. A timeout or any store
-     error is a miss, counted, and L2 is skipped for settings.retry_after_s so that a
-     dead store costs one timeout, not one per request. The I/O thread does no MLX
+     is valid only at exactly its own length). Only if it beats what L1 held when the
+     request arrived, read its pages and attachments (verified against their hashes as
+     they are read). The handler thread waits at most settings.lookup_timeout_s; a
+     timeout or any store error is a miss, counted, and L2 is skipped for
+     settings.retry_after_s so that a dead store costs one timeout, not one per
+     request. Only then does the request join mlx-lm's queue: its own answer waits
+     for its lookup, no other request's decoding does. The I/O thread does no MLX
      work, so one that is left running cannot race the generation thread;
-  3. on the generation thread, engine.restore rebuilds the pages into plain mlx-lm
-     KVCache objects (cache_kind="kvcache") and a checkpoint's attachments into the
-     sliding layers' RotatingKVCaches, which mlx-lm's BatchGenerator can merge.
+  2. lookup(tokens, l1_tokens), on the generation thread from fetch_nearest_cache:
+     takes the prefetched result (ready by construction; a prompt that was not
+     prefetched is a miss at once, "unprefetched") and, when it beats L1's actual
+     match, engine.restore rebuilds the pages into plain mlx-lm KVCache objects
+     (cache_kind="kvcache") and a checkpoint's attachments into the sliding layers'
+     RotatingKVCaches, which mlx-lm's BatchGenerator can merge. That restore (host
+     copies into new arrays) is the only L2 work on the generation thread.
 
 Publish (generation thread, never waits on the store):
   the policy (segment type, minimum length, second sighting, byte budget per namespace)
@@ -41,13 +49,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
+import blake3
 from mlx_lm.models.cache import KVCache
 
 from engine.attachments import token_offset
@@ -68,6 +77,7 @@ SEGMENT_TYPES = ("system", "user", "assistant")
 DEFAULT_LOOKUP_TIMEOUT_S = 2.0
 DEFAULT_RETRY_AFTER_S = 10.0
 KNOWN_PREFIXES = 4096  # chain keys remembered for "already stored" and "seen once"
+PENDING_PROMPTS = 256  # prefetched prompts waiting for the generation thread, at most
 KV_BITS_REFUSAL = (
     "--kv-bits is not supported by serve-model: mlx-lm quantizes the cache once it holds "
     "--quantized-kv-start tokens, at whatever offset the prefill reached, so a prompt "
@@ -124,8 +134,26 @@ class Lookup:
     cache: list | None
     tokens: int = 0
     bytes_read: int = 0
-    seconds: float = 0.0
-    outcome: str = "miss"  # hit | miss | shorter | timeout | error | skipped
+    seconds: float = 0.0  # on the generation thread (the restore)
+    outcome: str = "miss"  # hit | miss | shorter | stale | unprefetched | timeout | error | skipped | off
+    prefetch_seconds: float = 0.0  # on the HTTP handler thread, before the request queued
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A prefetch's result, waiting for its request on the generation thread: what the
+    store had (None when it was not asked or failed: outcome says why), and how long
+    the handler thread waited for it."""
+
+    found: Found | None
+    outcome: str | None
+    seconds: float
+
+
+def _prompt_key(tokens: Sequence[int]) -> bytes:
+    """The prefetch table's key: blake3 of the prompt's token ids."""
+    return blake3.blake3(b"".join(int(t).to_bytes(4, "little", signed=True)
+                                  for t in tokens)).digest()
 
 
 @dataclass(frozen=True)
@@ -284,6 +312,7 @@ class StoreTier:
         self._seen = _LRUSet(KNOWN_PREFIXES)    # tail chain keys seen once (second sighting)
         self._published_nbytes = 0
         self._lost = 0  # publisher drops + failures when _known was last trusted
+        self._pending: OrderedDict[bytes, deque] = OrderedDict()  # prompt key -> _Pending
         self._lock = threading.Lock()
         self.publisher = WriteBehindPublisher(publish_store, namespace=self.namespace,
                                               capacity_nbytes=settings.publish_queue_nbytes)
@@ -291,40 +320,90 @@ class StoreTier:
                                    ThreadPoolExecutor(2, thread_name_prefix="kvstore-lookup"))
 
     # -- lookup --------------------------------------------------------------------
-    def lookup(self, tokens: list[int], l1_tokens: int) -> Lookup:
-        """The longest stored prefix of `tokens` that beats L1's `l1_tokens` (by
-        settings.min_gain_tokens when L1 matched anything), as KVCaches, or a miss.
-        Never raises for store trouble; bounded in time by the settings."""
-        better_than = l1_tokens + (self.settings.min_gain_tokens - 1 if l1_tokens else 0)
-        limit = len(tokens) - 1
+    def _better_than(self, l1_tokens: int) -> int:
+        """Tokens a store prefix must exceed to be used over L1's l1_tokens."""
+        return l1_tokens + (self.settings.min_gain_tokens - 1 if l1_tokens else 0)
+
+    def prefetch(self, tokens: Sequence[int], l1_hint: int) -> float:
+        """HTTP handler thread, before the request reaches the generation thread: find
+        and read the longest stored prefix of `tokens` that beats L1's l1_hint (what L1
+        held when the request arrived), waiting at most settings.lookup_timeout_s; the
+        result waits for lookup(). Returns the seconds waited. Never raises for store
+        trouble: a timeout or an error is what lookup() will report, and L2 is skipped
+        for settings.retry_after_s after one."""
+        tokens = [int(t) for t in tokens]
+        start = time.monotonic()
+        found, outcome = None, None
+        limit, better_than = len(tokens) - 1, self._better_than(l1_hint)
         if limit <= better_than:
-            return Lookup(None, outcome="shorter")
-        if min(tokens) < 0:  # mlx-lm marks image patches with negative ids: not text KV
-            return Lookup(None, outcome="off")
-        now = time.monotonic()
-        if now < self._skip_until:
-            return Lookup(None, outcome="skipped")
-        future = self.threads.io.submit(_fetch, self._lookup_store, self.identity,
-                                        self.namespace, tokens, limit, better_than)
-        try:
-            found = future.result(timeout=self.settings.lookup_timeout_s)
-        except FutureTimeout:
-            self._skip_until = time.monotonic() + self.settings.retry_after_s
-            log.warning("store lookup took over %.2fs: served as a miss; skipping the store "
-                        "for %.0fs", self.settings.lookup_timeout_s, self.settings.retry_after_s)
-            return Lookup(None, seconds=time.monotonic() - now, outcome="timeout")
-        except Exception as exc:  # noqa: BLE001 - a store problem is a miss, never a client error
-            self._skip_until = time.monotonic() + self.settings.retry_after_s
-            log.warning("store lookup failed (%s: %s): served as a miss; skipping the store "
-                        "for %.0fs", type(exc).__name__, exc, self.settings.retry_after_s)
-            return Lookup(None, seconds=time.monotonic() - now, outcome="error")
-        if found.pages is None:
-            return Lookup(None, seconds=time.monotonic() - now,
-                          outcome="shorter" if found.tokens else "miss")
+            outcome = "shorter"
+        elif min(tokens) < 0:  # mlx-lm marks image patches with negative ids: not text KV
+            outcome = "off"
+        elif start < self._skip_until:
+            outcome = "skipped"
+        else:
+            future = self.threads.io.submit(_fetch, self._lookup_store, self.identity,
+                                            self.namespace, tokens, limit, better_than)
+            try:
+                found = future.result(timeout=self.settings.lookup_timeout_s)
+            except FutureTimeout:
+                self._skip_until = time.monotonic() + self.settings.retry_after_s
+                log.warning("store lookup took over %.2fs: served as a miss; skipping the "
+                            "store for %.0fs", self.settings.lookup_timeout_s,
+                            self.settings.retry_after_s)
+                outcome = "timeout"
+            except Exception as exc:  # noqa: BLE001 - a store problem is a miss, never a client error
+                self._skip_until = time.monotonic() + self.settings.retry_after_s
+                log.warning("store lookup failed (%s: %s): served as a miss; skipping the "
+                            "store for %.0fs", type(exc).__name__, exc,
+                            self.settings.retry_after_s)
+                outcome = "error"
+        waited = time.monotonic() - start
+        key = _prompt_key(tokens)
+        with self._lock:
+            self._pending.setdefault(key, deque()).append(_Pending(found, outcome, waited))
+            self._pending.move_to_end(key)
+            while len(self._pending) > PENDING_PROMPTS:  # never served (another model?)
+                self._pending.popitem(last=False)
+        return waited
+
+    def _take(self, tokens: Sequence[int]) -> _Pending | None:
+        key = _prompt_key(tokens)
+        with self._lock:
+            queue = self._pending.get(key)
+            if not queue:
+                return None
+            entry = queue.popleft()
+            if not queue:
+                del self._pending[key]
+            return entry
+
+    def lookup(self, tokens: list[int], l1_tokens: int) -> Lookup:
+        """Generation thread: the prefetched prefix of `tokens` (prefetch()) if it beats
+        L1's l1_tokens (by settings.min_gain_tokens when L1 matched anything), restored
+        as the model's caches, or a miss. Never waits on the store: a prompt that was
+        not prefetched is a miss ("unprefetched"). Lookup.seconds is the time spent here
+        (the restore's copies), Lookup.prefetch_seconds the handler thread's wait."""
+        start = time.monotonic()
+        entry = self._take(tokens)
+        better_than, limit = self._better_than(l1_tokens), len(tokens) - 1
+        if entry is None:
+            outcome = "shorter" if limit <= better_than else "unprefetched"
+            return Lookup(None, outcome=outcome)
+        found, waited = entry.found, entry.seconds
+        if found is None:  # not asked (L1 held enough, images, skipped) or failed
+            stale = entry.outcome == "shorter" and limit > better_than
+            return Lookup(None, outcome="stale" if stale else entry.outcome,
+                          prefetch_seconds=waited)
+        if found.tokens <= better_than or limit <= better_than:
+            return Lookup(None, outcome="shorter" if found.tokens else "miss",
+                          prefetch_seconds=waited)
+        if found.pages is None:  # L1 held it on arrival, and dropped it since
+            return Lookup(None, outcome="stale", prefetch_seconds=waited)
         restored = self.restore_prefix(tokens, found, limit)
         self._remember(found.tail_keys)
         return Lookup(restored.cache, restored.tokens_restored, restored.bytes_read,
-                      time.monotonic() - now, "hit")
+                      time.monotonic() - start, "hit", prefetch_seconds=waited)
 
     def restore_prefix(self, tokens: list[int], found: Found, limit: int):
         """engine.restore over the prefetched pages: mlx-lm KVCaches for full-attention

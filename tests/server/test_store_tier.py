@@ -41,6 +41,13 @@ def tier_for(loaded, store, fingerprint=None, **settings):
                      ServingSettings(namespace="test", **settings), ServingMetrics())
 
 
+def look(tier, tokens, l1_tokens, l1_hint=None):
+    """What a request goes through: the prefetch (HTTP handler thread) with what L1 held
+    on arrival, then the lookup (generation thread) with what L1 gives when served."""
+    tier.prefetch(tokens, l1_tokens if l1_hint is None else l1_hint)
+    return tier.lookup(tokens, l1_tokens)
+
+
 TOKENS = [(7 * i + 11) % 300 + 6 for i in range(70)]  # 70 tokens: 4 full blocks + 6
 
 
@@ -60,7 +67,7 @@ def test_published_prefix_restores_bit_exact(loaded, tmp_path):
         assert tier.publisher.stats()["published"] == 1
         fresh = tier_for(loaded, store)  # another process: nothing remembered
         prompt = TOKENS + [9, 10, 11]
-        got = fresh.lookup(prompt, l1_tokens=0)
+        got = look(fresh, prompt, l1_tokens=0)
         assert got.outcome == "hit" and got.tokens == len(TOKENS)
         assert got.bytes_read > 0
         for restored, computed in zip(got.cache, caches, strict=True):
@@ -69,13 +76,13 @@ def test_published_prefix_restores_bit_exact(loaded, tmp_path):
             k2, v2 = computed.keys[..., : computed.offset, :], computed.values[..., : computed.offset, :]
             assert mx.array_equal(k1, k2).item() and mx.array_equal(v1, v2).item()  # tolerance 0
         # leaves at least one token to compute, and never beats a longer L1 match
-        assert fresh.lookup(TOKENS, l1_tokens=0).tokens == 4 * BLOCK
-        assert fresh.lookup(prompt, l1_tokens=len(TOKENS)).outcome == "shorter"
+        assert look(fresh, TOKENS, l1_tokens=0).tokens == 4 * BLOCK
+        assert look(fresh, prompt, l1_tokens=len(TOKENS)).outcome == "shorter"
         # with an L1 match, the store must add a block (min gain) to be worth re-reading
-        assert fresh.lookup(prompt, l1_tokens=len(TOKENS) - BLOCK).outcome == "hit"
-        assert fresh.lookup(prompt, l1_tokens=len(TOKENS) - BLOCK + 1).outcome == "shorter"
+        assert look(fresh, prompt, l1_tokens=len(TOKENS) - BLOCK).outcome == "hit"
+        assert look(fresh, prompt, l1_tokens=len(TOKENS) - BLOCK + 1).outcome == "shorter"
         eager = tier_for(loaded, store, lookup_min_gain_tokens=1)
-        assert eager.lookup(prompt, l1_tokens=len(TOKENS) - 1).outcome == "hit"
+        assert look(eager, prompt, l1_tokens=len(TOKENS) - 1).outcome == "hit"
         eager.close(1)
         tier.close(5)
         fresh.close(5)
@@ -108,8 +115,8 @@ def test_image_placeholders_are_neither_looked_up_nor_published(loaded, caches, 
         tier = tier_for(loaded, store)
         with_image = [-5] * 3 + TOKENS[3:]
         assert tier.offer(with_image, caches, "user") == "skipped_images"
-        assert tier.lookup(with_image, l1_tokens=0).outcome == "off"
-        assert tier.lookup(TOKENS, l1_tokens=0).outcome == "miss"  # the store still serves
+        assert look(tier, with_image, l1_tokens=0).outcome == "off"
+        assert look(tier, TOKENS, l1_tokens=0).outcome == "miss"  # the store still serves
         tier.close(1)
 
 
@@ -122,8 +129,8 @@ def test_another_tokenizer_fingerprint_never_hits(loaded, caches, tmp_path):
         other = type(fingerprint)(fingerprint.name, fingerprint.weights_digest, "0" * 64)
         stranger = tier_for(loaded, store, fingerprint=other)
         assert stranger.identity.format_id != tier.identity.format_id
-        assert stranger.lookup(TOKENS + [1], l1_tokens=0).outcome == "miss"
-        assert tier_for(loaded, store).lookup(TOKENS + [1], l1_tokens=0).outcome == "hit"
+        assert look(stranger, TOKENS + [1], l1_tokens=0).outcome == "miss"
+        assert look(tier_for(loaded, store), TOKENS + [1], l1_tokens=0).outcome == "hit"
         tier.close(1)
 
 
@@ -146,18 +153,66 @@ def test_slow_store_is_a_bounded_miss_then_skipped(loaded):
     slow = _SlowStore(2.0)
     tier = tier_for(loaded, slow, lookup_timeout_s=0.2, retry_after_s=30)
     start = time.monotonic()
-    assert tier.lookup(TOKENS, l1_tokens=0).outcome == "timeout"
-    assert time.monotonic() - start < 1.0
+    waited = tier.prefetch(TOKENS, 0)  # the handler thread waits, boundedly
+    assert 0.15 < waited < 1.0 and time.monotonic() - start < 1.0
     start = time.monotonic()
-    assert tier.lookup(TOKENS, l1_tokens=0).outcome == "skipped"
+    assert tier.lookup(TOKENS, l1_tokens=0).outcome == "timeout"
+    assert time.monotonic() - start < 0.05  # the generation thread does not wait
+    start = time.monotonic()
+    assert look(tier, TOKENS, l1_tokens=0).outcome == "skipped"
     assert time.monotonic() - start < 0.05 and slow.calls == 1
     tier.close(0.1)
 
 
+def test_generation_thread_never_waits_on_the_store(loaded):
+    """fetch_nearest_cache's lookup takes a prefetched result or misses at once: with a
+    store that takes 2 s, a prompt nobody prefetched costs the generation thread
+    nothing and the store is not asked (it used to wait up to the lookup timeout)."""
+    slow = _SlowStore(2.0)
+    tier = tier_for(loaded, slow, lookup_timeout_s=1.5)
+    start = time.monotonic()
+    assert tier.lookup(TOKENS, l1_tokens=0).outcome == "unprefetched"
+    assert time.monotonic() - start < 0.1 and slow.calls == 0
+    tier.close(0.1)
+
+
+def test_prefetch_skips_page_reads_l1_holds_and_reports_stale(loaded, caches, tmp_path):
+    """The prefetch reads pages only when they beat what L1 held on arrival; if L1 drops
+    the prefix before the request is served, the request is a counted miss ("stale")."""
+    with Store(tmp_path / "s") as store:
+        tier = tier_for(loaded, store)
+        tier.offer(TOKENS, caches, "system")
+        assert tier.publisher.drain(10)
+        fresh = tier_for(loaded, store)
+        prompt = TOKENS + [9]
+        assert look(fresh, prompt, l1_tokens=0, l1_hint=len(TOKENS)).outcome == "stale"
+        assert look(fresh, prompt, l1_tokens=len(TOKENS), l1_hint=0).outcome == "shorter"
+        assert look(fresh, prompt, l1_tokens=0, l1_hint=0).outcome == "hit"
+        tier.close(1)
+        fresh.close(1)
+
+
+def test_l1_hint_is_what_fetch_nearest_cache_takes(loaded):
+    """TwoTierPromptCache.l1_tokens_hint (read on handler threads) follows L1's rule."""
+    from engine.serving.prompt_cache import TwoTierPromptCache
+
+    model, _ = loaded
+    l1 = TwoTierPromptCache(10, resolve_tier=lambda key: None, metrics=ServingMetrics())
+    l1.insert_cache("m", TOKENS[:40], prefill(model, TOKENS[:40]), cache_type="system")
+    l1.insert_cache("m", TOKENS, prefill(model, TOKENS), cache_type="assistant")
+    prompts = [TOKENS[:40], TOKENS[:50], TOKENS, TOKENS + [1, 2], TOKENS[:30] + [1, 2], [1, 2, 3],
+               TOKENS[:45] + [3]]
+    for prompt in prompts:
+        hint = l1.l1_tokens_hint("m", prompt)
+        _, rest = l1.fetch_nearest_cache("m", prompt)
+        assert hint == len(prompt) - len(rest), prompt
+    assert l1.l1_tokens_hint("other", TOKENS) == 0
+
+
 def test_failing_store_is_a_miss(loaded):
     tier = tier_for(loaded, _BrokenStore(), retry_after_s=0)
-    assert tier.lookup(TOKENS, l1_tokens=0).outcome == "error"
-    assert tier.lookup(TOKENS, l1_tokens=0).outcome == "error"  # retried: retry_after 0
+    assert look(tier, TOKENS, l1_tokens=0).outcome == "error"
+    assert look(tier, TOKENS, l1_tokens=0).outcome == "error"  # retried: retry_after 0
     tier.close(0.1)
 
 
@@ -257,7 +312,7 @@ def test_sliding_model_publishes_a_checkpoint_at_the_boundary_and_restores_it_ex
         assert tuple(ckpt.tokens) == tuple(TOKENS) and ckpt.attachments
         fresh = tier_for(gemma, store)
         prompt = TOKENS + [9, 10, 11]
-        got = fresh.lookup(prompt, l1_tokens=0)
+        got = look(fresh, prompt, l1_tokens=0)
         assert got.outcome == "hit" and got.tokens == len(TOKENS)
         assert [isinstance(c, type(k)) for c, k in zip(got.cache, caches, strict=True)] == [True] * 4
         rest = mx.array([prompt[len(TOKENS):]])
@@ -265,7 +320,7 @@ def test_sliding_model_publishes_a_checkpoint_at_the_boundary_and_restores_it_ex
         computed_logits = model(mx.array([prompt]), cache=make_prompt_cache(model))[:, len(TOKENS):]
         assert mx.array_equal(restored_logits, computed_logits).item()  # tolerance 0
         # a prompt only a shorter checkpoint prefixes is not restored partway
-        assert fresh.lookup(TOKENS[:60] + [9, 10], l1_tokens=0).outcome == "miss"
+        assert look(fresh, TOKENS[:60] + [9, 10], l1_tokens=0).outcome == "miss"
         tier.close(1)
         fresh.close(1)
 
