@@ -9,6 +9,7 @@
     evict     evict down to a byte budget
     export    checkpoint -> portable file or mlx-lm file (transfer.py, tools/portable.py)
     import    portable file -> checkpoint, verified first
+    migrate   a schema-1 store to schema 2 (segment files)  (migrate.py)
     bench     run tools/bench suites                   (bench.py)
     serve-model  mlx_lm.server with the store as its L2 prompt cache (serve_model.py)
 
@@ -23,7 +24,7 @@ import typer
 from tools.commands.common import EXIT_CODES
 
 COMMANDS = ("ls", "show", "formats", "stats", "check", "gc", "evict", "export", "import", "bench",
-            "serve-model")
+            "serve-model", "migrate")
 
 EPILOG = "Exit codes: " + "; ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items())
 
@@ -37,7 +38,9 @@ def register(app: typer.Typer) -> typer.Typer:
                      ("evict", maintain.evict), ("export", transfer.export),
                      ("import", transfer.import_), ("bench", bench.bench)):
         app.command(name, epilog=EPILOG)(fn)
-    from tools.commands import serve_model
+    from tools.commands import migrate, serve_model
+
+    app.command("migrate", epilog=EPILOG)(migrate.migrate)
 
     app.command("serve-model", epilog=EPILOG,
                 context_settings=serve_model.CONTEXT_SETTINGS)(serve_model.serve_model)
