@@ -318,6 +318,8 @@ class StoreTier:
                                               capacity_nbytes=settings.publish_queue_nbytes)
         self.threads = TierThreads(self.publisher,
                                    ThreadPoolExecutor(2, thread_name_prefix="kvstore-lookup"))
+        # the salt the store keys this namespace's blocks with: asked off this thread
+        self._salt_future = self.threads.io.submit(lookup_store.chain_salt, self.namespace)
 
     # -- lookup --------------------------------------------------------------------
     def _better_than(self, l1_tokens: int) -> int:
@@ -342,6 +344,7 @@ class StoreTier:
         elif start < self._skip_until:
             outcome = "skipped"
         else:
+            self._ask_salt_again()
             future = self.threads.io.submit(_fetch, self._lookup_store, self.identity,
                                             self.namespace, tokens, limit, better_than)
             try:
@@ -414,11 +417,32 @@ class StoreTier:
                                       checkpoint=name, namespace=self.namespace))
 
     # -- publish -------------------------------------------------------------------
+    def chain_salt(self) -> bytes | None:
+        """The namespace's chain salt as the store keys blocks with it (None: unsalted,
+        or not known yet). Asked once, on the I/O thread; a failed ask is asked again at
+        the next prefetch. Never waits."""
+        with self._lock:
+            future = self._salt_future
+            if not future.done():
+                return None
+            if future.exception() is None:
+                return future.result()
+            return None
+
+    def _ask_salt_again(self) -> None:
+        with self._lock:
+            future = self._salt_future
+            if future.done() and future.exception() is not None:
+                self._salt_future = self.threads.io.submit(self._lookup_store.chain_salt,
+                                                           self.namespace)
+
     def tail_key(self, tokens: Sequence[int]) -> bytes:
-        """The chain key of the last block (full or partial) of `tokens`."""
-        fid, parent = self.identity.format_id, ROOT_KEY
+        """The chain key of the last block (full or partial) of `tokens`, keyed with the
+        namespace's chain salt as the store keys it (engine.publish.upload, restore)."""
+        fid, parent, salt = self.identity.format_id, ROOT_KEY, self.chain_salt()
         for start in range(0, len(tokens), self.block_size):
-            parent = chain_key(fid, self.namespace, parent, tokens[start:start + self.block_size])
+            parent = chain_key(fid, self.namespace, parent, tokens[start:start + self.block_size],
+                               salt=salt)
         return parent
 
     def _remember(self, keys) -> None:

@@ -138,6 +138,9 @@ class _SlowStore:
     def __init__(self, delay_s):
         self.delay_s, self.calls = delay_s, 0
 
+    def chain_salt(self, namespace):
+        return None
+
     def lookup_prefix(self, *args, **kwargs):
         self.calls += 1
         time.sleep(self.delay_s)
@@ -145,6 +148,9 @@ class _SlowStore:
 
 
 class _BrokenStore:
+    def chain_salt(self, namespace):
+        raise ConnectionRefusedError("store is down")
+
     def lookup_prefix(self, *args, **kwargs):
         raise ConnectionRefusedError("store is down")
 
@@ -334,3 +340,26 @@ def test_sliding_model_skips_boundaries_the_cache_ran_past(gemma, tmp_path):
         assert tier.offer(TOKENS[:50], caches, "user") == "skipped_inexact"
         assert tier.publisher.stats()["published"] == 0
         tier.close(1)
+
+
+def test_tail_key_is_keyed_with_the_namespace_chain_salt(loaded, caches, tmp_path):
+    """In a salted namespace the tier's chain keys are the store's: a prefix it restored
+    is known as stored (not captured again), and tail_key names the stored block."""
+    from kvstore.ids import ChainSalts
+    from kvstore.store import StoreConfig
+
+    salts = ChainSalts({"test": bytes(range(32))})
+    with Store(tmp_path / "s", StoreConfig(chain_salts=salts)) as store:
+        tier = tier_for(loaded, store)
+        assert tier.offer(TOKENS, caches, "system") == "queued"
+        assert tier.publisher.drain(10) and tier.publisher.stats()["published"] == 1
+        fresh = tier_for(loaded, store)
+        fresh.threads.io.submit(lambda: None).result()  # the salt was asked first
+        assert fresh.chain_salt() == bytes(range(32))
+        match = store.lookup_prefix(fresh.identity.format_id, "test", TOKENS)
+        assert match.tokens_matched == len(TOKENS)
+        assert fresh.tail_key(TOKENS) == match.blocks[-1].key
+        assert look(fresh, TOKENS + [1], l1_tokens=0).outcome == "hit"
+        assert fresh.offer(TOKENS, caches, "system") == "skipped_known"
+        tier.close(1)
+        fresh.close(1)
