@@ -382,7 +382,8 @@ class _Migration:
     def _pending(self, digest: bytes, value) -> PendingRecord:
         """A v1 page value as a segment record, unchanged. A page that fails its check
         is carried as it is (a read at schema 2 quarantines it, as at schema 1), and
-        named in the result; a header that cannot be read is refused (the plan said)."""
+        named in the result (pages copied by this run); a header that cannot be read is
+        refused (the plan said so first)."""
         if trusted_header(value) is None:
             raise MigrationRefused(f"page {digest.hex()}'s record header is damaged; its "
                                    "length cannot be read. Plan again to see what to do",
@@ -404,7 +405,8 @@ class _Migration:
             try:
                 done = env.write(lambda txn, dbs, records=records, extra=extra:
                                  self._rebind(txn, dbs, state, records, extra),
-                                 what="switching the store to schema version 2", freeing=True)
+                                 what="switching the store to schema version 2", freeing=True,
+                                 buffers=True)  # headers only: never copy a page body
             except _Changed:
                 continue  # a page changed between the scan and the transaction: again
             self.result.update(done)
@@ -452,7 +454,8 @@ class _Migration:
         with env.read(buffers=True) as txn:
             wanted = ([(d, txn.get(d, db=env.dbs["pages"]), False) for d in todo]
                       + [(d, txn.get(d, db=env.dbs["quarantine"]), True) for d in todo_q])
-            wanted = [w for w in wanted if w[1] is not None and trusted_header(w[1])]
+            # a deleted page is skipped; a damaged header refuses in _pending (never guessed)
+            wanted = [w for w in wanted if w[1] is not None and (not w[2] or trusted_header(w[1]))]
             pending = [PendingRecord(d, bytes(v[:HEADER_NBYTES]), memoryview(v)[HEADER_NBYTES:])
                        if is_copy else self._pending(d, v) for d, v, is_copy in wanted]
             locations = files.append(pending)
@@ -468,8 +471,10 @@ class _Migration:
         return extra
 
     def _rebind(self, txn, dbs, state: MigrationState, records: dict, quarantine_locs: dict) -> dict:
-        """The switch transaction (fn of LmdbEnv.write: may run again from scratch)."""
+        """The switch transaction (fn of LmdbEnv.write: may run again from scratch). Its
+        values are views valid until the first put: every one is read first."""
         pages = {bytes(k): bytes(v[:HEADER_NBYTES]) for k, v in txn.cursor(db=dbs["pages"])}
+        quarantined = [bytes(k) for k in txn.cursor(db=dbs["quarantine"]).iternext(values=False)]
         for digest, header in pages.items():
             rec = records.get(digest)
             if rec is None or rec[1] != header:
@@ -480,7 +485,7 @@ class _Migration:
             txn.put(digest, loc.pack(), db=dbs["pages"])
             named.add((loc.segment, loc.offset))
         dropped = 0
-        for digest in [bytes(k) for k, _ in txn.cursor(db=dbs["quarantine"])]:
+        for digest in quarantined:
             loc = quarantine_locs.get(digest)
             if loc is None:
                 txn.delete(digest, db=dbs["quarantine"])  # its header cannot be read
@@ -554,7 +559,8 @@ class EnvLockProbe:
     before it opens data.mdb), which is what the compaction's rename needs.
 
     POSIX locks go when ANY descriptor of the file is closed in the process, so the
-    probe is opened before this process's LmdbEnv and closed after it is closed."""
+    probe is opened before this process's LmdbEnv and closed after it is closed, and a
+    process that holds the store open itself (a Store object) must not migrate it."""
 
     _FLOCK = "hh4xqqi4x"  # struct flock on Linux (x86_64, aarch64): type, whence, start, len, pid
 

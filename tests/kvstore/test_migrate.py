@@ -243,6 +243,21 @@ def test_a_store_open_in_another_process_is_refused(v1):
     assert plan_migration(path).ok  # its reader slot is cleared once it is gone
 
 
+def test_a_held_writer_lock_refuses_execute(v1):
+    path, _, _ = v1
+    import fcntl
+
+    fd = os.open(path / "segments.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a schema-2 save, or another migration
+        with pytest.raises(MigrationRefused) as info:
+            plan_migration(path).execute()
+        assert info.value.kind == "busy" and "segments.lock" in str(info.value)
+    finally:
+        os.close(fd)
+    assert schema_version(path) == 1 and not (path / "segments").exists()
+
+
 def test_schema_newer_than_two_is_refused(v1):
     path, _, _ = v1
     env = raw_env(path)
@@ -321,6 +336,37 @@ def test_a_crash_leaves_a_store_that_opens_checks_clean_and_resumes(v1, crash_at
         assert result["resumed"] and result["copied_pages"] == 20 - copied
     else:
         assert plan.nothing_to_do
+    assert_migrated_byte_identical(path, before, pages_before)
+
+
+def test_a_full_disk_stops_the_copy_and_a_second_run_resumes(v1, monkeypatch):
+    """No room for the second segment file: StoreFull, the store stays schema 1 and
+    checks clean, the copy so far is kept; with room again the next run finishes."""
+    import errno
+
+    from kvstore.errors import StoreFull
+
+    path, before, pages_before = v1
+    real, made = os.posix_fallocate, []
+
+    def fallocate(fd, offset, nbytes):
+        made.append(nbytes)
+        if len(made) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, offset, nbytes)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    with pytest.raises(StoreFull, match="disk is full"):
+        plan_migration(path).execute(batch_pages=3, segment_nbytes=SMALL_SEGMENT)
+    monkeypatch.undo()
+    assert schema_version(path) == 1 and served(path) == pages_before
+    state = MigrationState.decode(dump(path)["meta"][STATE_KEY])
+    assert 0 < state.pages_copied < 20 and state.pages_copied % 3 == 0
+    assert sorted(os.listdir(path / "segments")) == ["00000000.seg"]  # nothing half-made
+    with Store(path, readonly=True) as store:
+        assert store.check(read_data=True).problems == []
+    result = plan_migration(path).execute(batch_pages=3, segment_nbytes=SMALL_SEGMENT)
+    assert result["copied_pages"] == 20 - state.pages_copied
     assert_migrated_byte_identical(path, before, pages_before)
 
 

@@ -63,6 +63,8 @@ def migrate(
         for r in plan.refusals:
             stderr.print(f"[red]refused ({r.kind}):[/red] {escape(r.message)}", soft_wrap=True)
         raise typer.Exit(REFUSAL_EXIT[plan.refusals[0].kind])
+    if plan.nothing_to_do and not plan_only:
+        plan.execute()  # removes what a compaction that was interrupted left behind
     if plan.nothing_to_do or plan_only:
         if as_json:
             emit_json({"plan": summary, "executed": False})
