@@ -42,13 +42,15 @@ DEFAULT_WORKERS = min(8, os.cpu_count() or 1)
 
 def direct_writes() -> bool:
     """Whether restores write pages into MLX arrays through host views (True), or
-    through a reused host staging buffer, one transfer per plane and slice updates
-    (False: BlockPool.write_pages, for a backend whose arrays the host cannot see).
+    through host staging that the device copies from (False: BlockPool.write_pages).
 
-    True on every backend MLX 0.32 has: the CPU, Apple's unified memory, and CUDA,
-    whose arrays MLX allocates in managed memory, so host writes land in them (checked
-    on an H200). Host views measured faster than staging there: docs/benchmarks.md."""
-    return True
+    True on the CPU and on Apple's unified memory, where a host view is the array's
+    own memory. False on a CUDA GPU: a host view there moves the array into managed
+    memory (MLX's allocator), so every later host write and GPU read of it migrates
+    pages between host and device on faults (H200, 8B-shaped at 8K: host-view restore
+    390 ms TTFT; docs/benchmarks.md). There the pages go into a DeviceStaging buffer
+    the GPU reads in place, and the pools stay in device memory."""
+    return not (mx.default_device() == mx.gpu and mx.cuda.is_available())
 
 
 def host_view(x: mx.array) -> np.ndarray:
@@ -154,15 +156,30 @@ class PageCopies:
     def run(self, workers: int = DEFAULT_WORKERS) -> None:
         """Every copy, on up to `workers` threads (inline below MIN_THREADED_NBYTES)."""
         pairs, self._pairs, nbytes, self.nbytes = self._pairs, [], self.nbytes, 0
-        if workers <= 1 or nbytes < MIN_THREADED_NBYTES or len(pairs) < 2:
-            _copy_all(pairs)
-            return
-        # Contiguous runs per thread: neighbouring copies share target rows.
-        step = -(-len(pairs) // workers)
-        chunks = [pairs[i : i + step] for i in range(0, len(pairs), step)]
-        with ThreadPoolExecutor(len(chunks), thread_name_prefix="kv-copy") as pool:
-            for future in [pool.submit(_copy_all, c) for c in chunks]:
-                future.result()
+        run_copies(pairs, nbytes, workers)
+
+
+def run_copies(pairs: list[tuple], nbytes: int, workers: int = DEFAULT_WORKERS) -> None:
+    """(target, source) copies on up to `workers` threads of the process's copy pool
+    (contiguous runs per thread: neighbouring copies share target rows); inline below
+    MIN_THREADED_NBYTES, where a thread hop costs more than the copy."""
+    workers = min(workers, DEFAULT_WORKERS)
+    if workers <= 1 or nbytes < MIN_THREADED_NBYTES or len(pairs) < 2:
+        _copy_all(pairs)
+        return
+    step = -(-len(pairs) // workers)
+    futures = [_copy_pool().submit(_copy_all, pairs[i : i + step]) for i in range(0, len(pairs), step)]
+    for future in futures:
+        future.result()
+
+
+@functools.lru_cache(maxsize=1)
+def _copy_pool() -> ThreadPoolExecutor:
+    """One pool of copy threads per process (made on first use, never shut down): a
+    restore runs one batch of copies per layer on the device path, and starting
+    threads per batch cost more than a small layer's copies. Copy tasks never wait on
+    other tasks, so restores on several threads can share it."""
+    return ThreadPoolExecutor(DEFAULT_WORKERS, thread_name_prefix="kv-copy")
 
 
 def _copy_all(pairs: list[tuple]) -> None:
@@ -170,11 +187,69 @@ def _copy_all(pairs: list[tuple]) -> None:
         np.copyto(target, source)
 
 
-class StagingBuffer:
-    """Host memory reused across restores, for backends whose arrays are device memory.
+class DeviceStaging:
+    """Host memory the device copies pages from, reused across restores (device
+    backends: direct_writes() is False).
 
-    Pages are copied into it (laid out as whole blocks), then travel to the device in
-    one transfer per layer. It grows to the largest restore seen and stays."""
+    One MLX uint8 array made on the host, so that MLX's CUDA allocator puts it in
+    managed memory, advised to stay in host memory and be read by the GPU in place
+    (engine/managed.py): the host writes it through a host view at memory speed, and
+    a slice update on the device reads it once over the bus, with no page migrating
+    either way. It grows to the largest request and stays.
+
+    Reuse is ordered: take() first waits for the device work that read the previous
+    contents (hold() names it), so a write never lands under a copy still in flight."""
+
+    def __init__(self):
+        self._array: mx.array | None = None
+        self._host: np.ndarray | None = None
+        self._readers: list = []
+        self.advised = False
+
+    def take(self, nbytes: int) -> tuple[mx.array, np.ndarray]:
+        """(MLX array, writable host view) of at least nbytes (contents undefined)."""
+        self.wait()
+        if self._array is None or self._array.size < nbytes:
+            self._array = None
+            self._array = mx.array(np.empty(nbytes, dtype=np.uint8))
+            self._host = host_view(self._array)
+            self.advised = False
+            if mx.cuda.is_available():
+                from engine.managed import keep_on_host  # loads libcuda on first use
+
+                self.advised = keep_on_host(self._host.ctypes.data, nbytes)
+        return self._array, self._host
+
+    def hold(self, readers: list) -> None:
+        """Arrays whose evaluation reads the current contents: take() waits for them."""
+        self._readers = list(readers)
+
+    def wait(self) -> None:
+        if self._readers:
+            readers, self._readers = self._readers, []
+            mx.eval(readers)
+
+
+_UNSIGNED = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+
+
+def device_copy(x: mx.array) -> mx.array:
+    """A (lazy) array holding x's bytes, bit for bit, in a buffer of its own.
+
+    For staging -> arrays where the copy may cover a whole array: MLX returns the
+    update itself from a slice update that covers all of its target (ops.cpp
+    slice_update), which would leave the target a view of the staging buffer, to be
+    overwritten by the next restore. One elementwise pass on the unsigned integer
+    view (| 0, exact for every bit pattern, NaN payloads included); never donated,
+    since the staging buffer holds the source's memory."""
+    unsigned = _UNSIGNED[x.dtype.size]
+    raw = x if x.dtype == unsigned else x.view(unsigned)
+    out = mx.bitwise_or(raw, mx.array(0, unsigned))
+    return out if x.dtype == unsigned else out.view(x.dtype)
+
+
+class StagingBuffer:
+    """Host memory reused across restores, as plain numpy (contents undefined)."""
 
     def __init__(self):
         self._buffer = np.empty(0, dtype=np.uint8)
@@ -250,5 +325,6 @@ def gather_pages(spec, hosts: dict[str, np.ndarray], block_ids: list[int], num_t
     return pages
 
 
-__all__ = ["CAPTURE_BUFFERS", "HostBuffers", "PageCopies", "Region", "StagingBuffer", "copy_page", "direct_writes", "gather_pages",
-           "host_readable", "host_view", "page_regions", "page_targets"]
+__all__ = ["CAPTURE_BUFFERS", "DeviceStaging", "HostBuffers", "PageCopies", "Region", "StagingBuffer",
+           "copy_page", "device_copy", "direct_writes", "gather_pages", "host_readable", "host_view", "page_regions",
+           "page_targets", "run_copies"]

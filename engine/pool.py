@@ -23,7 +23,7 @@ import numpy as np
 
 from engine.errors import PoolExhausted
 from engine.formats import PageSpec, require_paged
-from engine.pagecopy import PageCopies, StagingBuffer, host_view, page_regions
+from engine.pagecopy import DeviceStaging, PageCopies, device_copy, host_view, page_regions
 
 
 class BlockPool:
@@ -46,7 +46,7 @@ class BlockPool:
         mx.eval(self.planes)
         self._refs: list[int] = [0] * num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0 first
-        self._staging = StagingBuffer()  # device backends only: pages on their way in
+        self._staging = DeviceStaging()  # device backends only: pages on their way in
 
     def _plane_shape(self, name: str, num_blocks: int) -> tuple[int, int, int, int]:
         spec = self.spec
@@ -166,38 +166,49 @@ class BlockPool:
 
     def write_pages(self, blocks: list[int], pages: list, counts: list[int]) -> None:
         """Pages (bytes, page layout, counts[i] tokens each) into whole blocks, for
-        device backends: copied into the reused host staging buffer, one contiguous
-        [len(blocks), H, block_size, row bytes] run per plane, then one host -> device
-        transfer per plane and a slice update per run of consecutive block ids (MLX's
-        CUDA scatter is far slower than a copy: docs/benchmarks.md), or one scatter
-        when the ids are scattered."""
+        device backends (direct_writes() False): each page copied once, on the copy
+        threads, into the pool's DeviceStaging buffer laid out as the planes' blocks
+        ([len(blocks), H, block_size, row bytes] per plane), then one slice update per
+        plane and run of consecutive block ids (one scatter when the ids are scattered:
+        MLX's CUDA scatter is far slower than a copy, docs/benchmarks.md) reads it on
+        the device. The device work is started, not awaited: the caller's next layer
+        is copied on the host meanwhile; the staging buffer is rewritten only after it
+        (DeviceStaging.take waits), and anything that reads the planes is ordered after
+        it by MLX."""
         for block in blocks:
             assert self._refs[block] == 1, f"write into block {block} with {self._refs[block]} refs"
         spec = self.spec
         n = len(blocks)
         full = page_regions(spec, spec.block_size_tokens)  # a block's planes
-        staging = self._staging.rows(1, n * spec.block_nbytes)[0]
-        segments, at = {}, 0
+        staged, host = self._staging.take(n * spec.block_nbytes)
+        hosts, devices, at = {}, {}, 0
         for r in full:  # plane r of every block: [n, H, block_size, row bytes]
-            segments[r.name] = staging[at : at + n * r.nbytes].reshape(n, r.heads, r.tokens, r.row_nbytes)
+            shape = (n, r.heads, r.tokens, r.row_nbytes)
+            hosts[r.name] = host[at : at + n * r.nbytes].reshape(shape)
+            plane = staged[at : at + n * r.nbytes]
+            dtype = spec.plane_dtypes[r.name]
+            plane = plane if dtype == mx.uint8 else plane.view(dtype)
+            devices[r.name] = plane.reshape(n, r.heads, r.tokens, spec.plane_widths[r.name])
             at += n * r.nbytes
         copies = PageCopies()
         for index, (page, count) in enumerate(zip(pages, counts, strict=True)):
             copies.add(page, page_regions(spec, count),
-                       {name: seg[index, :, :count] for name, seg in segments.items()})
+                       {name: h[index, :, :count] for name, h in hosts.items()})
         copies.run()
         runs = _consecutive_runs(blocks)
         ids = mx.array(blocks, dtype=mx.int32) if len(runs) > 4 else None
-        for name, segment in segments.items():
-            dtype = spec.plane_dtypes[name]
-            moved = mx.array(segment)  # one transfer per plane
-            plane = moved if dtype == mx.uint8 else moved.view(dtype)
+        for name, plane in devices.items():
             if ids is not None:
                 self.planes[name][ids] = plane
                 continue
             for first, start, count in runs:
-                self.planes[name][first : first + count] = plane[start : start + count]
-        mx.eval(self.planes)
+                if count == self.num_blocks:  # a slice update of all of it would alias
+                    self.planes[name] = device_copy(plane)
+                else:
+                    self.planes[name][first : first + count] = plane[start : start + count]
+        written = list(self.planes.values())
+        self._staging.hold(written)
+        mx.async_eval(written)
 
 
 def _consecutive_runs(blocks: list[int]) -> list[tuple[int, int, int]]:

@@ -21,13 +21,17 @@ is allocated:
      with admission=, the price of the whole request (pages for the prompt plus
      max_new_tokens, staging, workspace) against the budget: a Deferred or Refused
      decision comes back in Restored.decision with no cache and nothing allocated;
-  4. pages are read zero-copy from the LMDB map for a local Store (each verified
-     against its hash on read) or fetched into buffers from a RemoteStore, and copied
-     once, on worker threads, straight into freshly allocated pool blocks or into one
-     array per plane and layer of the stock mlx-lm caches (host views of MLX memory,
-     engine/pagecopy.py). Nothing is evaluated afterwards but what is still lazy (a
-     native layer quantized on restore): a paged layer's state is a gather of its
-     whole history, which nobody reads.
+  4. pages are read zero-copy from a local Store's map, verified against their hashes
+     by the store on several reader threads at once (engine/pageread.py), or fetched
+     into buffers from a RemoteStore, and copied once, on worker threads: on the CPU
+     and unified memory straight into freshly allocated pool blocks or into one array
+     per plane and layer of the stock mlx-lm caches (host views of MLX memory,
+     engine/pagecopy.py); on a CUDA GPU into a reused host staging buffer that the
+     GPU reads in place, one slice update per plane and layer, started layer by
+     layer so the GPU's copy of one layer overlaps the host's copy of the next.
+     Nothing is evaluated afterwards but what is still lazy (a native layer quantized
+     on restore): a paged layer's state is a gather of its whole history, which
+     nobody reads.
 
 Targets (cache_kind) by page format; every other pairing is refused with
 IncompatibleFormat (and its diff) in step 1, before anything is allocated:
@@ -68,7 +72,15 @@ from engine.errors import FormatMismatch, InvalidRequest, OffsetMismatch, PoolEx
 from engine.formats import PAGED_FORMATS, PageSpec, page_specs
 from engine.geometry import leaf_caches, with_leaves
 from engine.models import default_attention_impl
-from engine.pagecopy import PageCopies, StagingBuffer, direct_writes, host_view, page_regions
+from engine.pagecopy import (
+    DeviceStaging,
+    PageCopies,
+    device_copy,
+    direct_writes,
+    host_view,
+    page_regions,
+)
+from engine.pageread import read_pages
 from engine.publish import DEFAULT_NAMESPACE
 from engine.stock import ConvertedQuantizedKVCache, TrackedKVCache
 from kvstore.errors import IncompatibleFormat, NotFound
@@ -192,13 +204,11 @@ def _usable_part(store: PageReader, ckpt: Checkpoint) -> tuple[Checkpoint | None
 
 @contextmanager
 def _pages(store: PageReader, digests: list):
-    """Verified page buffers from store.get_pages: zero-copy views of the LMDB map where
-    the store maps its pages (store.maps_pages), else buffers it fetched into (a
-    RemoteStore over HTTP; admission prices those as staging)."""
-    if not digests:
-        yield []
-        return
-    with store.get_pages(digests) as views:
+    """Verified page buffers from store.get_pages: zero-copy views of the store's map
+    where the store maps its pages (store.maps_pages; verified on several threads,
+    engine/pageread.py), else buffers it fetched into (a RemoteStore over HTTP;
+    admission prices those as staging)."""
+    with read_pages(store, digests) as views:
         yield views
 
 
@@ -370,9 +380,11 @@ def _history(spec: PageSpec, pages: list,
     """Pages (in block order) -> (name -> [1, H, tokens, width], tokens), bytes as they are.
 
     Each plane is one array allocated for this layer; every page is copied once into
-    its token range by strided copies (through host views, or on device backends from
-    a reused host staging buffer in one transfer per plane). With `copies`, host-view
-    copies are only added to it and the caller runs them while the pages are valid."""
+    its token range by strided copies: through host views, or on device backends into
+    a reused DeviceStaging buffer laid out as the planes, which the device copies into
+    the layer's arrays (one copy per plane, started, not awaited). With `copies`,
+    host-view copies are only added to it and the caller runs them while the pages are
+    valid."""
     size = spec.block_size_tokens
     _check_page_lengths(spec, pages)
     tail = len(memoryview(pages[-1]).cast("B")) // spec.page_nbytes(1)
@@ -380,30 +392,34 @@ def _history(spec: PageSpec, pages: list,
     counts = [size] * (len(pages) - 1) + [tail]
     widths, dtypes = spec.plane_widths, spec.plane_dtypes
     shapes = {n: (spec.kv_heads, n_tokens, widths[n] * dtypes[n].size) for n in spec.plane_names}
-    if direct_writes():
+    direct = direct_writes()
+    if direct:
         out = {n: mx.zeros((1, spec.kv_heads, n_tokens, widths[n]), dtypes[n])
                for n in spec.plane_names}
         mx.eval(out)
         hosts = {n: host_view(a)[0] for n, a in out.items()}  # [H, tokens, row bytes]
     else:
-        staging = _STAGING.buffer().rows(1, sum(h * t * r for h, t, r in shapes.values()))[0]
-        hosts, at = {}, 0
+        staging = _STAGING.buffer()
+        staged, host = staging.take(sum(h * t * r for h, t, r in shapes.values()))
+        hosts, devices, at = {}, {}, 0
         for n, shape in shapes.items():
-            hosts[n] = staging[at : at + shape[0] * shape[1] * shape[2]].reshape(shape)
-            at += hosts[n].nbytes
-    inline = copies is None or not direct_writes()
+            nbytes = shape[0] * shape[1] * shape[2]
+            hosts[n] = host[at : at + nbytes].reshape(shape)
+            plane = staged[at : at + nbytes]
+            plane = plane if dtypes[n] == mx.uint8 else plane.view(dtypes[n])
+            devices[n] = plane.reshape(1, spec.kv_heads, n_tokens, widths[n])
+            at += nbytes
+    inline = copies is None or not direct
     run = PageCopies() if inline else copies
     for index, (page, count) in enumerate(zip(pages, counts, strict=True)):
         lo = index * size
         run.add(page, page_regions(spec, count), {n: h[:, lo : lo + count] for n, h in hosts.items()})
     if inline:
         run.run()
-    if not direct_writes():  # one host -> device transfer per plane
-        out = {}
-        for n, h in hosts.items():
-            moved = mx.array(h)
-            out[n] = (moved if dtypes[n] == mx.uint8 else moved.view(dtypes[n]))[None]
-        mx.eval(out)
+    if not direct:  # one device copy per plane, out of the staging buffer
+        out = {n: device_copy(plane) for n, plane in devices.items()}  # not views of it
+        staging.hold(list(out.values()))
+        mx.async_eval(list(out.values()))
     return out, n_tokens
 
 
@@ -423,9 +439,9 @@ class _ThreadStaging(threading.local):
     """One reused host staging buffer per thread (device backends; restores may run on
     several threads at once)."""
 
-    def buffer(self) -> StagingBuffer:
+    def buffer(self) -> DeviceStaging:
         if not hasattr(self, "staging"):
-            self.staging = StagingBuffer()
+            self.staging = DeviceStaging()
         return self.staging
 
 

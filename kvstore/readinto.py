@@ -6,8 +6,10 @@ is parsed, the xxh3-128 of the stored bytes is computed (which brings them into 
 cache), zstd frames are decoded, and sink(index, raw bytes) is called at once, while the
 bytes are still in cache (the engine's sink copies them into memory it owns). Pages are
 split into contiguous runs over `workers` threads. A sink's numpy copy releases the GIL,
-so one thread's copy overlaps another's hashing (python-xxhash may hold the GIL while it
-hashes: on the 2-core VM two hashing threads were no faster than one).
+so one thread's copy overlaps another's hashing. Whether the hashing itself runs on
+several cores depends on python-xxhash: 4.0 and 4.1 release the GIL while they hash
+(two threads 1.4x one on the 2-core VM), 3.4.1 and 3.6.0 hold it (two threads no faster
+than one), measured 2026-12-02 over 2 x 128 MiB.
 
 Bytes in, bytes out: no MLX here (kvstore never imports it). A damaged page never reaches
 the sink: it is returned with its reason, and the caller quarantines it and raises, as

@@ -5,15 +5,33 @@ pass is a speed claim: tools/bench/store.py measures it, no test times it.)"""
 from __future__ import annotations
 
 import gc
+import sys
+import threading
+from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from engine.cache import PagedKVCache
-from engine.formats import FORMATS, PageSpec, pages_from_blocks
-from engine.pagecopy import HostBuffers, PageCopies, direct_writes, host_readable, host_view, page_regions
+from engine.formats import FORMATS, PageSpec, pages_from_blocks, resolve_format
+from engine.pagecopy import (
+    DeviceStaging,
+    HostBuffers,
+    PageCopies,
+    device_copy,
+    direct_writes,
+    host_readable,
+    host_view,
+    page_regions,
+)
+from engine.pageread import read_pages
 from engine.pool import BlockPool
+from engine.restore import kvcache_from_pages, quantized_kvcache_from_pages
+from kvstore.errors import IntegrityError
+from kvstore.pages import PageBatch
+from kvstore.store import Store
 
 
 def spec_of(name: str, block: int = 4) -> PageSpec:
@@ -102,6 +120,23 @@ def test_the_staging_path_writes_the_same_blocks(fragmented, monkeypatch):
     assert [bytes(p) for p in got] == pages
 
 
+def test_the_staging_path_never_leaves_a_whole_pool_a_view_of_its_staging(monkeypatch):
+    """A restore that fills every block of a pool: a slice update covering a whole
+    array is the update itself in MLX, so without device_copy the planes would alias
+    the staging buffer and the next restore into that pool would overwrite them."""
+    monkeypatch.setattr("engine.cache.direct_writes", lambda: False)
+    spec = spec_of("native-bf16")
+    pool = BlockPool(spec, 3, max_blocks=3)
+    pages = random_pages(spec, 4 * 3, seed=5)
+    cache = PagedKVCache.from_pages(pool, pages)
+    assert list(cache.block_ids) == [0, 1, 2]
+    mx.eval(pool.planes)
+    _, host = pool._staging.take(3 * spec.block_nbytes)  # what the next restore writes
+    host[:] = 0xA5
+    got = pages_from_blocks(spec, pool.planes, list(cache.block_ids), cache.offset)
+    assert [bytes(p) for p in got] == pages
+
+
 def test_a_capture_buffer_is_reused_only_after_every_view_of_it_is_gone():
     buffers = HostBuffers(max_nbytes=1 << 20)
     first = buffers.take(4096)
@@ -124,3 +159,95 @@ def test_a_capture_buffer_is_reused_only_after_every_view_of_it_is_gone():
     del big
     gc.collect()
     assert buffers.idle_nbytes <= 1 << 20  # the oldest dropped past max_nbytes
+
+
+def test_parallel_reads_yield_every_verified_page_in_digest_order(tmp_path, monkeypatch):
+    """read_pages splits a mapped store's get_pages over threads: the same views, in
+    the order asked (repeats included), as one call gives."""
+    monkeypatch.setattr("engine.pageread.MIN_PAGES_PER_READER", 2)
+    pages = [bytes([i]) * (1000 + i) for i in range(23)]
+    with Store(tmp_path / "s") as store:
+        batch = PageBatch.hash([memoryview(p).toreadonly() for p in pages])
+        store.put_pages(batch)
+        digests = list(batch.digests) + [batch.digests[3]]
+        calls = []
+        real = store.get_pages
+        monkeypatch.setattr(store, "get_pages",
+                            lambda ds: calls.append((len(ds), threading.current_thread().name)) or real(ds))
+        with read_pages(store, digests, workers=4) as views:
+            assert [bytes(v) for v in views] == pages + [pages[3]]
+    assert len(calls) == 4 and all(name == "kv-read" for _, name in calls), calls
+    assert sum(n for n, _ in calls) == len(digests)
+
+
+class _DamagedReader:
+    """A mapped store whose get_pages raises IntegrityError for a run holding b"bad"
+    (as Store does after quarantining); records which runs are open."""
+
+    maps_pages = True
+
+    def __init__(self):
+        self.open = 0
+        self.lock = threading.Lock()
+
+    @contextmanager
+    def get_pages(self, digests):
+        if b"bad" in digests:
+            raise IntegrityError(b"bad".hex(), "xxh3-128 of the stored bytes does not match")
+        with self.lock:
+            self.open += 1
+        try:
+            yield [bytes(d) for d in digests]
+        finally:
+            with self.lock:
+                self.open -= 1
+
+
+def test_a_damaged_page_in_any_run_refuses_the_whole_read_and_closes_every_run(monkeypatch):
+    monkeypatch.setattr("engine.pageread.MIN_PAGES_PER_READER", 1)
+    store = _DamagedReader()
+    digests = [b"p%02d" % i for i in range(12)]
+    digests[9] = b"bad"
+    reached = False
+    with pytest.raises(IntegrityError):
+        with read_pages(store, digests, workers=4):
+            reached = True
+    assert not reached, "views were yielded although a page failed verification"
+    assert store.open == 0, "a reader's get_pages was left open"
+    assert not [t for t in threading.enumerate() if t.name == "kv-read"]
+    with read_pages(store, digests[:8], workers=4) as views:  # the intact part still reads
+        assert views == digests[:8] and store.open == 4
+    assert store.open == 0
+
+
+@pytest.mark.parametrize("name", ["native-bf16", "mlx-q4"])
+def test_the_device_path_builds_the_same_stock_cache(name, monkeypatch):
+    """_history through DeviceStaging (direct_writes False: CUDA) equals the host-view
+    path, byte for byte, also when the staging buffer is reused by a second layer."""
+    fmt = resolve_format(name, mx.bfloat16)
+    spec = PageSpec(fmt, kv_heads=2, k_head_dim=64, v_head_dim=64, block_size_tokens=4, group_size=64)
+    build = kvcache_from_pages if name.startswith("native") else quantized_kvcache_from_pages
+    pages = [random_pages(spec, 4 * 3 + 1, seed=s) for s in (1, 2)]
+    want = [build(spec, p).state for p in pages]
+    # engine.restore names the function in the package: patch the module itself
+    monkeypatch.setattr(sys.modules["engine.restore"], "direct_writes", lambda: False)
+    got = [build(spec, p).state for p in pages]  # the second reuses the first's staging
+    arrays = lambda states: [a for _, a in tree_flatten(states) if isinstance(a, mx.array)]  # noqa: E731
+    assert len(arrays(want)) == len(arrays(got)) > 0
+    for w, g in zip(arrays(want), arrays(got), strict=True):
+        w, g = (None, w), (None, g)
+        assert w[1].shape == g[1].shape and w[1].dtype == g[1].dtype
+        raw = lambda a: np.array(a.view(mx.uint8) if a.dtype.size != 1 else a)  # noqa: E731
+        assert np.array_equal(raw(w[1]), raw(g[1]))
+
+
+def test_device_staging_is_rewritten_only_after_its_readers_ran():
+    staging = DeviceStaging()
+    array, host = staging.take(64)
+    host[:] = 5
+    copied = device_copy(array[:64])  # lazy: reads the staging when evaluated
+    staging.hold([copied])
+    again, host2 = staging.take(32)  # waits for `copied` before handing the memory out
+    assert again is array
+    host2[:] = 9
+    assert np.array(copied).tolist() == [5] * 64

@@ -1,0 +1,89 @@
+"""Verified page reads for a restore, split over threads: read_pages(store, digests).
+
+A store's get_pages verifies every page (its hash) before it yields the views, and does
+that on the calling thread. For a restore of 1 GiB that one pass was the largest cost
+on a 16-core host (H200: 184 ms per GiB, docs/benchmarks.md). Here, for a store that
+maps its pages (store.maps_pages: views into its own map, nothing fetched), the
+digests are split into contiguous runs, one get_pages per run on its own thread; each
+reader holds its with-block open, so its views stay valid, until the caller's block
+ends. The hashing runs in parallel where the hash releases the GIL (python-xxhash >= 4;
+3.x holds it, and the runs then verify one after another, no slower than one call).
+Every page is still verified by the store before any view of it is yielded; a damaged
+or missing page raises the store's own error (IntegrityError, after it quarantined the
+page; NotFound), the first in digest order, after every reader has closed.
+
+A RemoteStore (maps_pages False) fetches: one get_pages call, one request, as before.
+
+Cost model: one thread start per reader (about 0.1 ms) and one read transaction each.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+from kvstore.protocol import PageReader
+
+READ_WORKERS = min(16, os.cpu_count() or 1)
+MIN_PAGES_PER_READER = 8  # below this a thread costs more than it saves
+
+
+@contextmanager
+def read_pages(store: PageReader, digests: Sequence, workers: int | None = None) -> Iterator[list]:
+    """Verified page buffers in digest order, valid inside the with-block (see the
+    module docstring); on up to `workers` threads (default READ_WORKERS)."""
+    digests = list(digests)
+    workers = READ_WORKERS if workers is None else workers
+    if not digests:
+        yield []
+        return
+    workers = min(workers, len(digests) // MIN_PAGES_PER_READER)
+    if workers <= 1 or not store.maps_pages:
+        with store.get_pages(digests) as views:
+            yield views
+        return
+    step = -(-len(digests) // workers)
+    runs = [digests[i : i + step] for i in range(0, len(digests), step)]
+    readers = [_Reader(store, run) for run in runs]
+    try:
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.ready.wait()
+        failed = next((r.error for r in readers if r.error is not None), None)
+        if failed is not None:
+            raise failed
+        yield [view for reader in readers for view in reader.views]
+    finally:
+        for reader in readers:
+            reader.done.set()
+        for reader in readers:
+            if reader.ident is not None:  # started
+                reader.join()
+
+
+class _Reader(threading.Thread):
+    """One get_pages over one run of digests, held open until `done` is set."""
+
+    def __init__(self, store: PageReader, digests: list):
+        super().__init__(name="kv-read", daemon=True)
+        self.store, self.digests = store, digests
+        self.views: list = []
+        self.error: BaseException | None = None
+        self.ready, self.done = threading.Event(), threading.Event()
+
+    def run(self) -> None:
+        try:
+            with self.store.get_pages(self.digests) as views:
+                self.views = views
+                self.ready.set()
+                self.done.wait()
+        except BaseException as exc:  # handed to the caller's thread, raised there
+            self.error = exc
+        finally:
+            self.ready.set()
+
+
+__all__ = ["read_pages", "READ_WORKERS"]
