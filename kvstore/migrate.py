@@ -15,7 +15,8 @@ Phases of execute (every one survives a crash, see below):
            reads it as before, and the records are bytes only the migration state names.
   switch   one write transaction makes the records reachable: every `pages` value
            becomes its record's 24-byte location, quarantined copies become locations,
-           a `segment_tail/XXXXXXXX` key is set for every segment, records no entry names
+           a `segment_tail/XXXXXXXX` key is set for every segment, a page older than the
+           `page_sizes` database gets the entry schema 1 counted it by, records no entry names
            (pages deleted between two runs) go to `dead_records` for GC, schema_version
            becomes 2 and the migration state goes. The v1 bodies are freed in the same
            commit (LMDB's free list: data.mdb keeps its size). Before it, every page
@@ -60,10 +61,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore import fileio
-from kvstore.errors import KVStoreError, NotFound, StoreIOError, UnsupportedVersion
-from kvstore.index import U64
+from kvstore.errors import KVStoreError, NotFound, StoreCorrupt, StoreIOError, UnsupportedVersion
+from kvstore.index import SIZES, U64
 from kvstore.lmdbenv import DEFAULT_RESERVE_NBYTES, META_RECORD, LmdbEnv
-from kvstore.pages import HEADER_NBYTES, trusted_header, verify_stored
+from kvstore.pages import HEADER_NBYTES, accounted_nbytes, trusted_header, verify_stored
 from kvstore.segments import (
     MIN_SEGMENT_NBYTES,
     PAGE_VALUE_AT,
@@ -228,7 +229,10 @@ def plan_migration(path, *, segment_nbytes: int = SEGMENT_NBYTES) -> MigrationPl
             return plan
         if version == TO_VERSION:
             return plan
-        assert version == FROM_VERSION, f"LmdbEnv opened a store of schema {version}"
+        if version != FROM_VERSION:  # 0, or absent: damage, never guessed to be a version
+            raise StoreCorrupt(f"store at {path} is damaged: its schema_version is {version}, "
+                               "which no code wrote; nothing was written. See "
+                               "docs/reliability.md ('A store refused as damaged')")
         _plan_pages(env, plan, segment_nbytes)
         holder = probe.holder()
         if holder is not None:
@@ -473,12 +477,21 @@ class _Migration:
     def _rebind(self, txn, dbs, state: MigrationState, records: dict, quarantine_locs: dict) -> dict:
         """The switch transaction (fn of LmdbEnv.write: may run again from scratch). Its
         values are views valid until the first put: every one is read first."""
-        pages = {bytes(k): bytes(v[:HEADER_NBYTES]) for k, v in txn.cursor(db=dbs["pages"])}
+        pages, sizes = {}, {}
+        for key, value in txn.cursor(db=dbs["pages"]):
+            digest = bytes(key)
+            pages[digest] = bytes(value[:HEADER_NBYTES])
+            if txn.get(digest, db=dbs["page_sizes"]) is None:
+                # a page older than page_sizes: schema 2 needs its entry, and this is
+                # what schema 1 counted it as (StoreIndex.page_sizes' fallback)
+                sizes[digest] = SIZES.pack(*accounted_nbytes(value))
         quarantined = [bytes(k) for k in txn.cursor(db=dbs["quarantine"]).iternext(values=False)]
         for digest, header in pages.items():
             rec = records.get(digest)
             if rec is None or rec[1] != header:
                 raise _Changed()
+        for digest, raw in sizes.items():
+            txn.put(digest, raw, db=dbs["page_sizes"])
         named = set()
         for digest in pages:
             loc = records[digest][0]
@@ -506,7 +519,7 @@ class _Migration:
             txn.put(TAIL_KEY_PREFIX + f"{segment:08x}".encode(), U64.pack(tail), db=dbs["meta"])
         txn.put(META_RECORD, U64.pack(TO_VERSION), db=dbs["meta"])
         txn.delete(STATE_KEY, db=dbs["meta"])
-        return {"pages": len(pages), "quarantined": len(quarantine_locs),
+        return {"pages": len(pages), "sizes_added": len(sizes), "quarantined": len(quarantine_locs),
                 "dropped_quarantined": dropped, "dead_records": dead_count,
                 "segments": len(state.tails)}
 

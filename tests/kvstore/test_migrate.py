@@ -25,7 +25,7 @@ import lmdb
 import pytest
 
 from kvstore import faults
-from kvstore.errors import IntegrityError, NeedsMigration
+from kvstore.errors import IntegrityError, NeedsMigration, StoreCorrupt
 from kvstore.migrate import STATE_KEY, MigrationRefused, MigrationState, plan_migration
 from kvstore.pages import Compression, encode_page
 from kvstore.segments import Location, SegmentFiles
@@ -258,14 +258,40 @@ def test_a_held_writer_lock_refuses_execute(v1):
     assert schema_version(path) == 1 and not (path / "segments").exists()
 
 
-def test_schema_newer_than_two_is_refused(v1):
+def test_a_schema_newer_than_two_is_refused_and_zero_is_damage(v1):
     path, _, _ = v1
+    for version in (3, 0):
+        env = raw_env(path)
+        with env.begin(write=True) as txn:
+            txn.put(b"schema_version", U64.pack(version), db=env.open_db(b"meta", txn=txn))
+        env.close()
+        raw = (path / "data.mdb").read_bytes()
+        if version == 3:
+            plan = plan_migration(path)
+            assert [r.kind for r in plan.refusals] == ["newer_version"]
+            with pytest.raises(MigrationRefused):
+                plan.execute()
+        else:
+            with pytest.raises(StoreCorrupt, match="schema_version is 0"):
+                plan_migration(path)
+        assert (path / "data.mdb").read_bytes() == raw and not (path / "segments").exists()
+
+
+def test_pages_older_than_page_sizes_get_the_sizes_schema_one_counted(v1):
+    """Stores from before the page_sizes database hold pages without an entry (schema 1
+    recovers the sizes from the record); schema 2 needs one for every page."""
+    path, before, pages_before = v1
     env = raw_env(path)
+    sizes_db = env.open_db(b"page_sizes")
     with env.begin(write=True) as txn:
-        txn.put(b"schema_version", U64.pack(3), db=env.open_db(b"meta", txn=txn))
+        dropped = sorted(before["page_sizes"])[::3]
+        for digest in dropped:
+            txn.delete(digest, db=sizes_db)
     env.close()
-    plan = plan_migration(path)
-    assert [r.kind for r in plan.refusals] == ["newer_version"]
+    result = plan_migration(path).execute()
+    assert result["sizes_added"] == len(dropped) > 0
+    assert dump(path)["page_sizes"] == before["page_sizes"]
+    assert_migrated_byte_identical(path, before, pages_before)
 
 
 # -- carried as they are ---------------------------------------------------------------------
