@@ -243,6 +243,31 @@ def test_a_store_open_in_another_process_is_refused(v1):
     assert plan_migration(path).ok  # its reader slot is cleared once it is gone
 
 
+def test_the_lock_probe_sees_other_processes_and_holds_new_ones_off(v1):
+    """What the compaction's rename relies on: EnvLockProbe names another process that
+    has the environment open (not this one), and while exclude() holds, a process that
+    opens the store waits in LMDB's open until this one closes its environment."""
+    from kvstore.lmdbenv import LmdbEnv
+    from kvstore.migrate import EnvLockProbe
+
+    path, _, _ = v1
+    probe = EnvLockProbe(path)
+    env = LmdbEnv(path)
+    try:
+        assert probe.holder() is None  # our own environment does not count
+        assert probe.exclude()
+        opener = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from kvstore.store import Store; "
+             "Store(sys.argv[1], readonly=True).close(); print('opened', flush=True)", str(path)],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE)
+        time.sleep(1.5)
+        assert opener.poll() is None, "a process opened the store while it was excluded"
+    finally:
+        env.close()  # releases the exclusion (POSIX locks go with any close)
+        probe.close()
+    assert opener.wait(30) == 0 and opener.stdout.read().strip() == b"opened"
+
+
 def test_a_held_writer_lock_refuses_execute(v1):
     path, _, _ = v1
     import fcntl
