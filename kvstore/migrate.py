@@ -62,7 +62,7 @@ from pathlib import Path
 
 from kvstore import fileio
 from kvstore.errors import KVStoreError, NotFound, StoreCorrupt, StoreIOError, UnsupportedVersion
-from kvstore.index import SIZES, U64
+from kvstore.index import DEAD_KEY, DEAD_VALUE, SIZES, TAIL_PREFIX, U64
 from kvstore.lmdbenv import DEFAULT_RESERVE_NBYTES, META_RECORD, LmdbEnv
 from kvstore.pages import HEADER_NBYTES, accounted_nbytes, trusted_header, verify_stored
 from kvstore.segments import (
@@ -79,9 +79,6 @@ from kvstore.segments import (
 FROM_VERSION = 1
 TO_VERSION = 2
 STATE_KEY = b"migration"
-TAIL_KEY_PREFIX = b"segment_tail/"  # || segment as 8 lower-case hex digits
-DEAD_KEY = struct.Struct(">IQ")     # dead_records: segment, offset
-DEAD_VALUE = struct.Struct(">QQ")   # length, ns the record died
 SEGMENTS_DIR = "segments"
 COMPACT_DIR = "migrate-compact.tmp"
 BATCH_PAGES = 4096
@@ -516,7 +513,7 @@ class _Migration:
                         db=dbs["dead_records"])
                 dead_count += 1
         for segment, tail in state.tails.items():
-            txn.put(TAIL_KEY_PREFIX + f"{segment:08x}".encode(), U64.pack(tail), db=dbs["meta"])
+            txn.put(TAIL_PREFIX + f"{segment:08x}".encode(), U64.pack(tail), db=dbs["meta"])
         txn.put(META_RECORD, U64.pack(TO_VERSION), db=dbs["meta"])
         txn.delete(STATE_KEY, db=dbs["meta"])
         return {"pages": len(pages), "sizes_added": len(sizes), "quarantined": len(quarantine_locs),
