@@ -45,8 +45,11 @@ def merge_kernel():
 
 
 def launch(plan: LaunchPlan) -> mx.array:
-    """Run the split kernel the plan names ("lane" or "mma") and the merge kernel; returns
+    """Run the split kernel the plan names ("lane", "mma" or "mma_native") and the merge kernel; returns
     [B, Hq, L, Dv]."""
     if plan.kernel == "mma":
-        return run_split_merge(plan, cuda_mma.split_kernel(plan.shared_memory), merge_kernel())
+        split = cuda_mma.split_kernel(plan.shared_memory, plan.threads if plan.min_blocks else 0, plan.min_blocks)
+        return run_split_merge(plan, split, merge_kernel())
+    if plan.kernel == "mma_native":
+        return run_split_merge(plan, cuda_mma.native_split_kernel(plan.shared_memory), merge_kernel())
     return run_split_merge(plan, _split_kernel(plan.packed), merge_kernel())

@@ -127,3 +127,35 @@ __device__ __forceinline__ void kv_words_shared(unsigned int* w, const uint8_t* 
 __device__ __forceinline__ unsigned int kv_dequant(unsigned int biased, __half2 scale, __half2 offset) {
   return kv_h2u(__hfma2(__hsub2(kv_u2h(biased), kv_u2h(0x64006400u)), scale, offset));  // 1024 is 0x6400
 }
+
+// Native pages (cuda_mma_native_split.cu): 16-bit K/V straight into the mma.
+// m16n8k16 with bf16 operands (fp32 accumulate)
+__device__ __forceinline__ void kv_mma_bf16(float (&c)[4], const unsigned int (&a)[4], unsigned int b0, unsigned int b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// four 8x8 b16 matrices from shared memory: lanes 8i..8i+7 give the row addresses of matrix i;
+// register i gets, per lane, row lane/4, columns 2(lane%4), 2(lane%4)+1 of matrix i (.trans:
+// rows 2(lane%4), 2(lane%4)+1 of column lane/4)
+__device__ __forceinline__ void kv_ldsm_x4(unsigned int (&r)[4], unsigned int addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void kv_ldsm_x4_trans(unsigned int (&r)[4], unsigned int addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// the pair and the mma of a page's element type, chosen by overload on a pointer to it
+__device__ __forceinline__ unsigned int kv_pack_like(const __half*, float lo, float hi) { return kv_pack(lo, hi); }
+__device__ __forceinline__ unsigned int kv_pack_like(const __nv_bfloat16*, float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<unsigned int*>(&h);
+}
+__device__ __forceinline__ void kv_mma_like(const __half*, float (&c)[4], const unsigned int (&a)[4], unsigned int b0, unsigned int b1) {
+  kv_mma(c, a, b0, b1);
+}
+__device__ __forceinline__ void kv_mma_like(const __nv_bfloat16*, float (&c)[4], const unsigned int (&a)[4], unsigned int b0, unsigned int b1) {
+  kv_mma_bf16(c, a, b0, b1);
+}

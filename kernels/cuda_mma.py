@@ -20,15 +20,38 @@ from kernels.sources import kernel_source
 
 
 @lru_cache(maxsize=None)
-def split_kernel(shared_memory: int = 0):
+def split_kernel(shared_memory: int = 0, threads: int = 0, min_blocks: int = 0):
     """The mx.fast.cuda_kernel object with `shared_memory` dynamic shared bytes (compiled per
     template on first use; the template's SMEM carries the same number, so kernels of
-    different sizes never share a compiled function)."""
+    different sizes never share a compiled function). min_blocks > 0: the kernel is declared
+    __launch_bounds__(threads, min_blocks); MLX writes the `__global__ void` line itself, so
+    the header redefines __global__ for it (the last declaration in the source), and the
+    kernel's name carries the bounds (MLX caches compiled modules by name and template)."""
+    header = kernel_source("cuda_mma.cuh")
+    name = "kvstore_paged_split_mma"
+    if min_blocks:
+        header += (f"\n#undef __global__\n#define __global__ __attribute__((global)) "
+                   f"__launch_bounds__({threads}, {min_blocks})\n")
+        name += f"_lb{threads}x{min_blocks}"
     return mx.fast.cuda_kernel(
-        name="kvstore_paged_split_mma",
+        name=name,
         input_names=split_input_names(packed=True),
         output_names=SPLIT_OUTPUTS,
         source=kernel_source("cuda_mma_split.cu"),
+        header=header,
+        shared_memory=shared_memory,
+    )
+
+
+@lru_cache(maxsize=None)
+def native_split_kernel(shared_memory: int):
+    """The tensor-core split kernel for native fp16/bf16 pages (cuda_mma_native_split.cu),
+    with `shared_memory` dynamic shared bytes (the template's SMEM carries the same number)."""
+    return mx.fast.cuda_kernel(
+        name="kvstore_paged_split_mma_native",
+        input_names=split_input_names(packed=False),
+        output_names=SPLIT_OUTPUTS,
+        source=kernel_source("cuda_mma_native_split.cu"),
         header=kernel_source("cuda_mma.cuh"),
         shared_memory=shared_memory,
     )

@@ -346,6 +346,14 @@
       for (int c = 0; c < 4; ++c) voff[n][g][c] = 0.f;
   }
 
+  // the register path's next step (the rings need nothing here): the prefetched words, or a
+  // fetch now; at the end of every iteration, the profiling cut's included
+  auto advance = [&]() {
+    if constexpr (!ASYNC) {
+      if (PIPE) cur[0] = nxt;
+      else if (t0 + ITER < stop) fetch(cur[0], t0 + ITER);
+    }
+  };
   unsigned int probe_sink = 0;
   for (int iteration = 0; t0 < stop; t0 += ITER, ++iteration) {
     if constexpr (ASYNC) {
@@ -368,9 +376,7 @@
 #pragma unroll
         for (int i = 0; i < 4; ++i) probe_sink ^= cur[u].v[i][0] ^ (RAW ? 0u : __float_as_uint(cur[u].vs[i][0]) ^ __float_as_uint(cur[u].vo[i][0]));
       }
-      if (ASYNC) {}
-      else if (PIPE) cur[0] = nxt;
-      else if (t0 + ITER < stop) fetch(cur[0], t0 + ITER);
+      advance();
       continue;
     }
 
@@ -571,9 +577,7 @@
 #pragma unroll
         for (int t = 0; t < KSTEPS; ++t) kv_mma(o[n][t], va[t], p[n][0], p[n][1]);
     }
-    if (ASYNC) {}
-    else if (PIPE) cur[0] = nxt;
-    else if (t0 + ITER < stop) fetch(cur[0], t0 + ITER);
+    advance();
   }
   if constexpr (ASYNC) kv_cp_wait<0>();
 

@@ -35,6 +35,8 @@ MMA_HEAD_DIMS = (64, 128, 256)
 # block may opt in to on sm_86/sm_89; beyond 48 KB it is dynamic
 MMA_SHARED_BYTES = 96 * 1024
 STATIC_SHARED_BYTES = 48 * 1024  # a block's static shared memory; beyond it, dynamic (opt-in)
+# the native tensor-core kernel's rings at most (a block may opt in to 227 KB on sm_90)
+NATIVE_SHARED_BYTES = 200 * 1024
 
 
 def float_bits(value: float) -> int:
@@ -100,10 +102,50 @@ def mma_serves(layout: PageLayout, k_head_dim: int, v_head_dim: int, query_dtype
     )
 
 
+def native_mma_serves(layout: PageLayout, k_head_dim: int, v_head_dim: int, query_dtype: mx.Dtype,
+                      page_dtype: mx.Dtype, block_size: int, tuning: DirectTuning) -> bool:
+    """True when the tensor-core kernel for native pages (cuda_mma_native_split.cu) serves a
+    call: tuning.native_mma, unrotated fp16/bf16 pages with queries of the same type, head dims
+    64/128/256, blocks of a multiple of 16 tokens (a warp step's tokens lie in one block), and
+    rings of at least two steps per warp within NATIVE_SHARED_BYTES (D = 256 with 8 warps
+    would need 256 KB: the launch failed on the H200)."""
+    return (
+        tuning.native_mma
+        and tuning.native_warps * 2 * native_slot_nbytes(k_head_dim) <= NATIVE_SHARED_BYTES
+        and not layout.packed
+        and not layout.rotated_keys
+        and page_dtype in (mx.float16, mx.bfloat16)
+        and query_dtype == page_dtype
+        and k_head_dim == v_head_dim
+        and k_head_dim in MMA_HEAD_DIMS
+        and block_size % 16 == 0
+    )
+
+
+def native_slot_nbytes(head_dim: int) -> int:
+    """One warp step of the native tensor-core kernel's ring: 16 tokens of K and of V, 16-bit."""
+    return 2 * 16 * head_dim * 2
+
+
+@lru_cache(maxsize=1)
+def _cuda_backend() -> bool:
+    try:
+        return bool(mx.cuda.is_available())
+    except AttributeError:
+        return False
+
+
 def plan_launch(call: PagedAttentionCall, tuning: DirectTuning, kernel: str = "lane") -> LaunchPlan:
-    """The launch of one call on `kernel` ("lane" or "mma"). Everything but the input arrays
-    is cached by shape, dtype, lengths, options and tuning: every layer of a decode step
-    shares one plan, so the Python work per layer is a dictionary lookup and two kernel calls."""
+    """The launch of one call on `kernel` ("lane", "mma" or "mma_native"). Opt-in
+    (tuning.native_mma, off by default): on CUDA a "lane" call over native pages that
+    native_mma_serves takes "mma_native". kernels/attention.py asks for "lane" for every
+    native call and is meant to make this choice itself (docs/kernels.md); until it does, the
+    switch sits here, where the Metal port (lane-group kernel only) cannot reach it.
+    Everything but the input arrays is cached by shape, dtype, lengths, options and tuning:
+    every layer of a decode step shares one plan, so the Python work per layer is a
+    dictionary lookup and two kernel calls."""
+    if kernel == "lane" and tuning.native_mma and _cuda_backend() and _native_serves(call, tuning):
+        kernel = "mma_native"
     plane_arrays = [call.planes[name] for name in call.layout.plane_names]
     key = (
         tuple(call.queries.shape), call.queries.dtype,
@@ -115,7 +157,7 @@ def plan_launch(call: PagedAttentionCall, tuning: DirectTuning, kernel: str = "l
     if cached is None:
         if len(_PLANS) >= 256:
             _PLANS.clear()
-        build = _build_mma_plan if kernel == "mma" else _build_plan
+        build = {"mma": _build_mma_plan, "mma_native": _build_native_mma_plan}.get(kernel, _build_plan)
         cached = _PLANS[key] = build(call, tuning)
     signs = rotation_signs(call.k_head_dim, call.layout.rotation_seed)
     return replace(
@@ -268,8 +310,9 @@ def _build_mma_plan(call: PagedAttentionCall, tuning: DirectTuning) -> LaunchPla
         ("QSEP", separate_queries),
         ("SMEM", shared_memory),
     ]
-    return _launch_plan("mma", call, shape, num_splits, row_chunks, meta, tuning.mma_warps * 32,
+    plan = _launch_plan("mma", call, shape, num_splits, row_chunks, meta, tuning.mma_warps * 32,
                         split_template, shared_memory)
+    return replace(plan, min_blocks=tuning.mma_min_blocks)
 
 
 def _mma_shared_layout(head_dim: int, rows: int, stages: int, slot: int,
@@ -302,3 +345,45 @@ def raw_codes_serve(layout: PageLayout, head_dim: int, stages: int, tuning: Dire
     return (tuning.mma_raw and stages > 0 and head_dim <= 128
             and layout.group_size * layout.k_bits >= 128
             and layout.group_size * layout.v_bits >= 256)
+
+
+def _native_serves(call: PagedAttentionCall, tuning: DirectTuning) -> bool:
+    k = call.planes["k"] if not call.layout.packed else None
+    return k is not None and native_mma_serves(call.layout, call.k_head_dim, call.v_head_dim,
+                                               call.queries.dtype, k.dtype, k.shape[2], tuning)
+
+
+def _build_native_mma_plan(call: PagedAttentionCall, tuning: DirectTuning) -> LaunchPlan:
+    """The launch of the tensor-core kernel for native pages: 8 (or 16, D <= 128) query rows
+    per block, 16-token warp steps (the span starts at a multiple of 16; earlier keys are
+    masked by position), tuning.native_stages steps of K and V per warp in a cp.async ring of
+    dynamic shared memory (always opted in: MLX does so above 48000 bytes), which the warps'
+    partial outputs overlay at the end."""
+    shape = check_shape(call)
+    if not _native_serves(call, tuning):
+        raise ValueError(f"the native tensor-core kernel does not serve layout {call.layout} with "
+                         f"head dims {shape.k_head_dim}/{shape.v_head_dim}, {call.planes['k'].dtype} "
+                         f"pages, {call.queries.dtype} queries, block size {shape.block_size}")
+    d = shape.k_head_dim
+    rows16 = shape.rep * shape.num_queries > 8 and d <= 128
+    rows = 16 if rows16 else 8
+    num_splits, row_chunks, meta = _split_plan(call, shape, rows, tuning.native_target_blocks, align=16)
+    slot = native_slot_nbytes(d)
+    # as many of the stages asked for as fit (native_mma_serves: at least two do)
+    stages = min(tuning.native_stages, NATIVE_SHARED_BYTES // (tuning.native_warps * slot))
+    shared_memory = max(tuning.native_warps * stages * slot, tuning.native_warps * rows * d * 4, 48001)
+    causal = shape.num_queries > 1 and (call.mask == "causal" or call.window is not None)
+    split_template = [
+        ("D", d),
+        ("ROWS16", rows16),
+        ("NUM_WARPS", tuning.native_warps),
+        ("BLOCK_SIZE", shape.block_size),
+        ("CAUSAL", causal),
+        ("WINDOWED", call.window is not None),
+        ("TABLE_CAP", TABLE_CAP),
+        ("STAGES", stages),
+        ("KvT", call.planes["k"].dtype),
+        ("SMEM", shared_memory),
+    ]
+    return _launch_plan("mma_native", call, shape, num_splits, row_chunks, meta,
+                        tuning.native_warps * 32, split_template, shared_memory)

@@ -42,7 +42,7 @@ class LaunchPlan:
     """Everything cuda.launch / metal.launch need for one call."""
 
     packed: bool
-    kernel: str  # "lane" (kernels/cuda.py, kernels/metal.py) or "mma" (kernels/cuda_mma.py)
+    kernel: str  # "lane" (kernels/cuda.py, kernels/metal.py), "mma" or "mma_native" (kernels/cuda_mma.py)
     batch: int
     head_dim: int
     num_splits: int
@@ -57,6 +57,7 @@ class LaunchPlan:
     output_shape: tuple
     output_dtype: mx.Dtype
     shared_memory: int = 0  # dynamic shared bytes of the split kernel (0: static only)
+    min_blocks: int = 0  # > 0: the split kernel's __launch_bounds__ minimum blocks per SM
 
 
 def run_split_merge(plan: LaunchPlan, split_kernel, merge_kernel) -> mx.array:
