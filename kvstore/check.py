@@ -9,6 +9,12 @@ With read_data it also verifies every page: header, length, xxh3-128 of the stor
 bytes and blake3 of the raw bytes against the page's name. subset=(i, n) verifies
 only pages whose first digest byte is i modulo n, so a large store can be checked in
 n runs.
+At schema 2 (segment files, docs/format.md section 10) it also checks that every
+location lies inside its segment's file and committed tail (page_past_end); with
+read_data, every record header (magic, reserved bytes, checksum, the full digest), and
+every segment up to its committed tail for records that no page, quarantine or
+dead-record entry names (record_orphan). Bytes past a committed tail are crash
+leftovers, unreachable, and not reported: the next save overwrites them.
 
 check never repairs; GC, eviction and re-publishing do.
 """
@@ -20,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 from kvstore.errors import InvalidInput
 from kvstore.ids import ROOT_KEY
-from kvstore.index import COUNTERS, U64
+from kvstore.index import COUNTERS, SCHEMA_V2, U64
 from kvstore.pages import (
     PageHeader,
     decode_stored,
@@ -29,6 +35,7 @@ from kvstore.pages import (
     verify_stored,
 )
 from kvstore.records import BlockRecord, Checkpoint
+from kvstore.segments import parse_record_header
 
 PROBLEM_KINDS = {
     "page_damaged": "a page's stored bytes fail their header, length, xxh3 or blake3 check",
@@ -43,6 +50,9 @@ PROBLEM_KINDS = {
     "index_wrong": "a children or lru index entry disagrees with the block records",
     "checkpoint_bad": "a checkpoint does not decode, or names absent blocks",
     "counter_wrong": "a byte counter differs from the recomputed total",
+    "page_past_end": "a page's location lies past its segment file's end or committed tail",
+    "record_orphan": "a segment record below its committed tail that no page, quarantine or "
+                     "dead-record entry names (leaked space; not a lost page)",
 }
 
 
@@ -105,6 +115,8 @@ def check_store(store, read_data: bool = False, subset: tuple[int, int] | None =
             if progress:
                 progress(1, len(value))
         quarantined = index.quarantined()
+        if index.schema == SCHEMA_V2:
+            _check_segments(report, index, read_data, subset)
 
         # 2. blocks
         refs: Counter = Counter()
@@ -193,6 +205,47 @@ def check_store(store, read_data: bool = False, subset: tuple[int, int] | None =
                 if stored != recomputed[name]:
                     report.add("counter_wrong", name, f"stored {stored}, recomputed {recomputed[name]}")
     return report
+
+
+def _check_segments(report: CheckReport, index, read_data: bool,
+                    subset: tuple[int, int] | None) -> None:
+    """Schema 2: locations against their segments, record headers, orphan records."""
+    segments, tails = index.segments, index.segment_tails()
+    damaged = {p.object for p in report.problems if p.kind == "page_damaged"}
+    named: set[tuple[int, int]] = set()
+    for digest, loc in index.locations():
+        if loc is None:
+            if digest.hex() not in damaged:
+                report.add("page_damaged", digest.hex(), "its location does not parse")
+            continue
+        named.add((loc.segment, loc.offset))
+        file_nbytes, tail = segments.file_nbytes(loc.segment), tails.get(loc.segment, 0)
+        if loc.offset + loc.length > min(file_nbytes, tail):
+            report.add("page_past_end", digest.hex(),
+                       f"record at {loc.segment:08x}+{loc.offset} (+{loc.length}) lies past "
+                       f"the segment's {'file end' if file_nbytes < tail else 'committed tail'} "
+                       f"({min(file_nbytes, tail)})")
+            continue
+        if (read_data and digest.hex() not in damaged
+                and (subset is None or digest[0] % subset[1] == subset[0])):
+            try:
+                named_digest, _ = parse_record_header(segments.view(loc))
+                if named_digest != digest:
+                    raise ValueError(f"the record header names page {named_digest.hex()[:16]}...")
+            except ValueError as exc:
+                report.add("page_damaged", digest.hex(), f"record header: {exc}")
+    for _, loc in index.quarantined_locations():
+        if loc is not None:
+            named.add((loc.segment, loc.offset))
+    named.update((loc.segment, loc.offset) for loc, _ in index.dead_records())
+    if not read_data or (subset is not None and subset[0] != 0):
+        return  # one of the n subset runs scans the segments
+    for segment, tail in sorted(tails.items()):
+        for record in segments.scan(segment, tail, verify=False):
+            if (segment, record.offset) not in named:
+                report.add("record_orphan", f"{segment:08x}+{record.offset}",
+                           f"an intact record of page {record.digest.hex()} that no index "
+                           "entry names")
 
 
 def _verify_page(report: CheckReport, digest: bytes, value) -> None:

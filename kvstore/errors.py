@@ -8,6 +8,8 @@
     ├── AlreadyExists                 a checkpoint of that name exists (pass replace=True)
     ├── IncompatibleFormat            format identities differ; .diff names every field
     │   └── UnsupportedVersion        a schema version newer than this code knows
+    │       └── NeedsMigration        a write to a store of an older schema (read-only
+    │                                 until `kvstore migrate`)
     ├── IntegrityError                stored bytes do not match their digest (page quarantined)
     ├── StoreCorrupt                  the LMDB environment is not a whole store (a declared
     │                                 sub-database or the meta record is missing, or LMDB
@@ -86,6 +88,13 @@ class IncompatibleFormat(KVStoreError):
 
 class UnsupportedVersion(IncompatibleFormat):
     code = "unsupported_version"
+
+
+class NeedsMigration(UnsupportedVersion):
+    """A write to a store whose schema version this code reads but no longer writes
+    (schema 1: page bodies as LMDB values). Nothing was written."""
+
+    code = "needs_migration"
 
 
 class IntegrityError(KVStoreError):

@@ -16,12 +16,16 @@ import os
 CRASH_EXIT_CODE = 86
 STEPS = {
     "page_written": "pages are in the write transaction, before the index is touched",
+    "segments_written": "put_pages wrote a batch's segment records (not synced, not indexed)",
+    "segments_synced": "put_pages fdatasync'ed a batch's segment records; the index "
+                       "transaction that makes them reachable has not committed",
     "pages_synced": "put_pages committed a batch of pages (durable, no record names them yet)",
     "index_before_commit": "a write transaction is complete but not yet committed",
     "index_committed": "a write transaction committed (data and index synced)",
     "acknowledged": "a save returned to its caller",
     "gc_listed": "GC listed its candidates",
     "gc_deleted": "GC committed one batch of deletions",
+    "gc_punched": "GC punched one batch of dead segment records, before it forgets them",
 }
 _counts: dict[str, int] = {}
 

@@ -5,7 +5,14 @@ What is garbage:
                        their grace time (last upload or dedup hit, `page_times`) is
                        older than the grace period;
   orphans              quarantined page copies, and `page_times` entries whose page
-                       is gone.
+                       is gone;
+  dead records         (schema 2) segment records no page names any more: their page
+                       was deleted (by this GC, eviction, or an earlier GC), or their
+                       quarantine entry forgotten. Once a record has been dead for the
+                       grace period, execute() frees its span by hole punching
+                       (kvstore/segments.py punch) and then drops its dead_records entry.
+                       A record that died in this very run waits for the next one unless
+                       the grace is 0.
 
 Why it is safe while writers run:
   - a page uploaded but not yet committed is younger than the grace period;
@@ -16,7 +23,12 @@ Why it is safe while writers run:
   - a GC that has run (or been paused) for longer than its grace period aborts with
     GCAborted instead of deleting, because its view may be older than a writer's
     upload-to-commit window;
-  - one GC at a time per store: an exclusive flock on <store>/gc.lock.
+  - one GC at a time per store: an exclusive flock on <store>/gc.lock;
+  - a dead record is punched only after it has been dead for the grace period, so a
+    reader that resolved its location before the page was deleted (a restore that
+    looked the prefix up just before an eviction) has long finished with the bytes;
+    segment offsets below a committed tail are never written again, so a punched
+    span never held anyone else's record.
 A writer whose pages were nonetheless collected (it paused between upload and commit
 for longer than the grace period) gets MissingReferences from commit and re-uploads;
 it never commits a record whose pages are absent.
@@ -32,8 +44,7 @@ from dataclasses import dataclass, field
 
 from kvstore import faults, fileio
 from kvstore.errors import GCAborted, InvalidInput
-from kvstore.index import StoreIndex
-from kvstore.pages import accounted_nbytes
+from kvstore.index import SCHEMA_V2, StoreIndex
 
 BATCH = 256
 HISTORY_KEY = b"gc_history"
@@ -56,6 +67,7 @@ class GCPlan:
     pages: list[GCCandidate] = field(default_factory=list)
     quarantined: list[bytes] = field(default_factory=list)
     stale_times: list[bytes] = field(default_factory=list)
+    dead_records: list = field(default_factory=list)  # (Location, ns it died), schema 2
 
     @property
     def freed_nbytes(self) -> int:
@@ -68,6 +80,8 @@ class GCPlan:
             "unreferenced_nbytes": self.freed_nbytes,
             "quarantined_pages": len(self.quarantined),
             "stale_time_entries": len(self.stale_times),
+            "dead_records": len(self.dead_records),
+            "dead_nbytes": sum(loc.span_nbytes for loc, _ in self.dead_records),
         }
 
     def execute(self, progress=None) -> dict:
@@ -128,7 +142,38 @@ class GCPlan:
             return q, s
         deleted["quarantined"], deleted["stale_times"] = self.store.index.write(
             orphans, what="GC orphans", freeing=True)
+        if self.store.index.schema == SCHEMA_V2:
+            self._check_fresh()
+            deleted.update(self._punch_dead())
         return deleted
+
+    def _punch_dead(self) -> dict:
+        """Punch every record dead for longer than the grace period (listed now: those
+        this run's deletes made count when the grace is 0), then forget their entries,
+        in batches. Punch first: a crash in between leaves an entry whose span is
+        already a hole, and punching it again is harmless."""
+        cutoff_ns = time.time_ns() - int(self.grace_s * 1e9)
+        segments = self.store.index.segments
+        with self.store.index.read() as index:
+            due = [loc for loc, died in index.dead_records() if died <= cutoff_ns]
+        punched = nbytes = unpunched = 0
+        for start in range(0, len(due), BATCH):
+            batch = due[start : start + BATCH]
+            done = []
+            for loc in batch:
+                if segments.file_nbytes(loc.segment) == 0 or segments.punch(loc):
+                    done.append(loc)
+                else:
+                    unpunched += 1  # no hole punching here: the bytes stay, and the entry
+            faults.crash_point("gc_punched")
+
+            def forget(index: StoreIndex, done=done):
+                return sum(1 for loc in done if index.forget_dead(loc))
+            self.store.index.write(forget, what="GC dead records", freeing=True)
+            punched += len(done)
+            nbytes += sum(loc.span_nbytes for loc in done)
+        return {"punched_records": punched, "punched_nbytes": nbytes,
+                "unpunched_records": unpunched}
 
 
 def plan_gc(store, grace_s: float = 3600.0) -> GCPlan:
@@ -144,10 +189,13 @@ def plan_gc(store, grace_s: float = 3600.0) -> GCPlan:
             stamp = index.page_time(digest)
             if stamp > cutoff_ns:
                 continue
-            stored = accounted_nbytes(value)[1]
+            stored = index.page_sizes(digest, value)[1]
             plan.pages.append(GCCandidate(digest, stored, (planned_ns - stamp) / 1e9))
         plan.quarantined = sorted(index.quarantined())
         plan.stale_times = [d for d in index.page_time_digests() if not index.has_page(d)]
+        if index.schema == SCHEMA_V2:
+            plan.dead_records = [(loc, died) for loc, died in index.dead_records()
+                                 if died <= cutoff_ns]
     faults.crash_point("gc_listed")
     return plan
 

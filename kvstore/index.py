@@ -13,7 +13,11 @@ reach into; this is that type here. A StoreIndex is bound to one LMDB transactio
   LRU          lru: last-used ns || chain key; touch_block moves a block in it,
                evict_to removes unpinned leaves oldest first, parents after children
   pages        presence, sizes as written (page_sizes), grace times (page_times),
-               quarantine; write_pages and delete_page keep the counters exact
+               quarantine; write_pages and delete_page keep the counters exact. At
+               schema 2 (docs/format.md section 10) a `pages` entry is a Location in a
+               segment file: page() resolves it to a zero-copy view of the record's page
+               value, which reads exactly as a schema-1 value; deleted and forgotten
+               records go to dead_records for GC to punch; segment tails live in meta
   checkpoints  validated, pinned and unpinned with their blocks and attachments
 
 A store hands them out through its `index` (an IndexAccess): `with store.index.read()
@@ -38,9 +42,14 @@ from kvstore.format import FormatIdentity
 from kvstore.ids import ROOT_KEY, ChainSalts, chain_key, compare_salts
 from kvstore.pages import HEADER_NBYTES, PageHeader, accounted_nbytes
 from kvstore.records import BlockRecord, Checkpoint
+from kvstore.segments import LOCATION, Location, parse_record_header
 
 U64 = struct.Struct(">Q")
 SIZES = struct.Struct(">QQ")
+DEAD_KEY = struct.Struct(">IQ")   # dead_records key: segment, offset
+DEAD_VALUE = struct.Struct(">QQ")  # dead_records value: length, ns it died
+TAIL_PREFIX = b"segment_tail/"    # meta: segment_tail/<8 hex> -> u64be committed tail
+SCHEMA_V1, SCHEMA_V2 = 1, 2
 T = TypeVar("T")
 COUNTERS = ("raw_nbytes", "stored_nbytes", "referenced_raw_nbytes",
             "evicted_blocks", "evicted_nbytes")
@@ -103,20 +112,33 @@ class IndexAccess:
     store's environment (kvstore/lmdbenv.py LmdbEnv.write: fn may run again from
     scratch when the map grows). Store.index and TieredStore.index are one."""
 
-    def __init__(self, env, clock=now_ns, chain_salts: ChainSalts | None = None):
+    def __init__(self, env, clock=now_ns, chain_salts: ChainSalts | None = None, *,
+                 schema: int = SCHEMA_V2, segments=None, refuse_writes=None):
+        """schema: the store's schema_version (1 or 2); segments: its
+        kvstore.segments.SegmentFiles (schema 2); refuse_writes: an exception to raise
+        on every write (a schema-1 store: NeedsMigration), or None."""
         self._env = env  # a kvstore.lmdbenv.LmdbEnv
         self._clock = clock
         self._salts = chain_salts if chain_salts is not None else ChainSalts()
+        self.schema = schema
+        self.segments = segments
+        self.refuse_writes = refuse_writes
+
+    def _index(self, txn, dbs) -> "StoreIndex":
+        return StoreIndex(txn, dbs, self._clock, self._salts, schema=self.schema,
+                          segments=self.segments)
 
     @contextmanager
     def read(self, *, buffers: bool = False) -> Iterator["StoreIndex"]:
         """With buffers=True page values are zero-copy views, valid inside the block."""
         with self._env.read(buffers=buffers) as txn:
-            yield StoreIndex(txn, self._env.dbs, self._clock, self._salts)
+            yield self._index(txn, self._env.dbs)
 
     def write(self, fn: Callable[["StoreIndex"], T], *, what: str, buffers: bool = False,
               freeing: bool = False, need_nbytes: int = 0) -> T:
-        return self._env.write(lambda txn, dbs: fn(StoreIndex(txn, dbs, self._clock, self._salts)),
+        if self.refuse_writes is not None:
+            raise self.refuse_writes(what)
+        return self._env.write(lambda txn, dbs: fn(self._index(txn, dbs)),
                                what=what, buffers=buffers, freeing=freeing,
                                need_nbytes=need_nbytes)
 
@@ -126,9 +148,14 @@ class StoreIndex:
     a buffers=True transaction, values are views valid until the next write: every
     method finishes reading a value before it modifies anything."""
 
-    def __init__(self, txn, dbs: dict, clock=now_ns, chain_salts: ChainSalts | None = None):
+    def __init__(self, txn, dbs: dict, clock=now_ns, chain_salts: ChainSalts | None = None, *,
+                 schema: int = SCHEMA_V2, segments=None):
         self.txn = txn
         self.dbs = dbs
+        assert schema in (SCHEMA_V1, SCHEMA_V2), f"no StoreIndex for schema {schema}"
+        assert schema == SCHEMA_V1 or segments is not None, "a schema-2 index needs its segments"
+        self.schema = schema
+        self.segments = segments  # kvstore.segments.SegmentFiles (schema 2)
         self.clock = clock  # ns; the grace time of pages written (tests move it)
         # the store's per-namespace chain salts (StoreConfig.chain_salts): they key
         # lookups and decode salted records (kvstore/records.py)
@@ -182,11 +209,45 @@ class StoreIndex:
 
     # -- pages ----------------------------------------------------------------------------
     def page(self, digest: bytes):
-        """The stored record (48-byte header || stored bytes), or None."""
-        return self.txn.get(bytes(digest), db=self.dbs["pages"])
+        """The stored record (48-byte header || stored bytes), or None. At schema 2 a
+        zero-copy view of the segment record's page value (kvstore/segments.py), which
+        verifies as a schema-1 value does; empty when the location does not parse."""
+        raw = self.txn.get(bytes(digest), db=self.dbs["pages"])
+        if raw is None or self.schema == SCHEMA_V1:
+            return raw
+        location = self._parse_location(raw)
+        return self.segments.page_value(location) if location is not None else memoryview(b"")
+
+    def location(self, digest: bytes) -> Location | None:
+        """Schema 2: where the page's record lies (None: absent or unparseable)."""
+        assert self.schema == SCHEMA_V2
+        raw = self.txn.get(bytes(digest), db=self.dbs["pages"])
+        return self._parse_location(raw) if raw is not None else None
+
+    def record_problem(self, digest: bytes) -> str | None:
+        """Schema 2: what is wrong with the record header of a stored page (magic,
+        reserved bytes, checksum, the full digest), or None; the page value itself is
+        verified by the caller (kvstore.pages.verify_stored). None at schema 1."""
+        if self.schema == SCHEMA_V1:
+            return None
+        location = self.location(digest)
+        if location is None:
+            return "its location does not parse"
+        try:
+            named, _ = parse_record_header(self.segments.view(location))
+        except ValueError as exc:
+            return f"record header: {exc}"
+        if named != bytes(digest):
+            return (f"the record was written for page {named.hex()[:16]}..., not for this one "
+                    "(misplaced or swapped)")
+        return None
+
+    @staticmethod
+    def _parse_location(raw) -> Location | None:
+        return Location.unpack(raw) if len(raw) == LOCATION.size else None
 
     def has_page(self, digest: bytes) -> bool:
-        return self.page(digest) is not None
+        return self.txn.get(bytes(digest), db=self.dbs["pages"]) is not None
 
     def is_quarantined(self, digest: bytes) -> bool:
         return self.txn.get(bytes(digest), db=self.dbs["quarantine"]) is not None
@@ -198,6 +259,9 @@ class StoreIndex:
         return SIZES.unpack(raw) if raw is not None else accounted_nbytes(value)
 
     def raw_nbytes(self, digest: bytes) -> int:
+        sizes = self.txn.get(bytes(digest), db=self.dbs["page_sizes"])  # only with a page
+        if sizes is not None:
+            return SIZES.unpack(sizes)[0]
         value = self.page(digest)
         return self.page_sizes(digest, value)[0] if value is not None else 0
 
@@ -210,19 +274,30 @@ class StoreIndex:
             self.txn.put(bytes(digest), U64.pack(stamp_ns), db=self.dbs["page_times"])
 
     def write_pages(self, encoded) -> tuple[int, int, int]:
-        """encoded: (digest, header, stored bytes) triples. Returns (new, existing,
-        stored bytes written). A page stored again after quarantine heals: its
-        surviving references count again and its quarantine entry goes."""
+        """encoded: (digest, header, stored bytes) triples at schema 1; (digest, header,
+        Location) at schema 2, the record already appended and synced. Returns (new,
+        existing, stored bytes written). A page stored again after quarantine heals:
+        its surviving references count again and its quarantine entry goes (at schema
+        2 the damaged record it named becomes a dead record). At schema 2 a page
+        already present keeps its record, and the new one is dead at once."""
         txn, dbs = self.txn, self.dbs
         new = existing = stored_total = 0
-        stamp = U64.pack(self.clock())
+        now = self.clock()
+        stamp = U64.pack(now)
         for digest, header, stored in encoded:
             if txn.get(digest, db=dbs["pages"]) is not None:
                 existing += 1
+                if self.schema == SCHEMA_V2:
+                    self.add_dead(stored, now)
             else:
                 raw_nbytes = PageHeader.unpack(header).raw_nbytes
-                stored_nbytes = HEADER_NBYTES + len(stored)
-                txn.put(digest, b"".join((header, stored)), db=dbs["pages"])
+                if self.schema == SCHEMA_V2:
+                    stored_nbytes = HEADER_NBYTES + PageHeader.unpack(header).stored_nbytes
+                    txn.put(digest, stored.pack(), db=dbs["pages"])
+                    self._forget_quarantined_location(digest, now)
+                else:
+                    stored_nbytes = HEADER_NBYTES + len(stored)
+                    txn.put(digest, b"".join((header, stored)), db=dbs["pages"])
                 self.add_counter("raw_nbytes", raw_nbytes)
                 self.add_counter("stored_nbytes", stored_nbytes)
                 txn.put(digest, SIZES.pack(raw_nbytes, stored_nbytes), db=dbs["page_sizes"])
@@ -236,14 +311,20 @@ class StoreIndex:
         faults.crash_point("page_written")
         return new, existing, stored_total
 
-    def delete_page(self, digest: bytes) -> int:
-        """Remove one page, its sizes and grace time; returns stored bytes freed."""
+    def delete_page(self, digest: bytes, *, record_dies: bool = True) -> int:
+        """Remove one page, its sizes and grace time; returns stored bytes freed. At
+        schema 2 its record becomes a dead record (record_dies=False: quarantine keeps
+        naming it)."""
         digest = bytes(digest)
         value = self.page(digest)
         if value is None:
             return 0
-        freed = len(value)
+        if self.schema == SCHEMA_V2:
+            location = self.location(digest)
+            if record_dies and location is not None:
+                self.add_dead(location, self.clock())
         raw_nbytes, stored_nbytes = self.page_sizes(digest, value)  # before any change
+        freed = stored_nbytes if self.schema == SCHEMA_V2 else len(value)
         self.add_counter("raw_nbytes", -raw_nbytes)
         self.add_counter("stored_nbytes", -stored_nbytes)
         for db in ("pages", "page_sizes", "page_times"):
@@ -252,19 +333,78 @@ class StoreIndex:
 
     def quarantine_page(self, digest: bytes) -> bool:
         """Move a damaged page to `quarantine`: its references stay (the records still
-        name it) but count no bytes until it is stored again. False when absent."""
+        name it) but count no bytes until it is stored again. False when absent. At
+        schema 2 quarantine holds the record's location (its bytes stay put)."""
         digest = bytes(digest)
         value = self.page(digest)
         if value is None:
             return False
-        value = bytes(value)
-        self.txn.put(digest, value, db=self.dbs["quarantine"])
-        self.add_counter("referenced_raw_nbytes", -self.refs(digest) * self.page_sizes(digest, value)[0])
-        self.delete_page(digest)
+        if self.schema == SCHEMA_V2:
+            raw_nbytes = self.page_sizes(digest, value)[0]
+            kept = bytes(self.txn.get(digest, db=self.dbs["pages"]))
+        else:
+            value = bytes(value)
+            raw_nbytes, kept = self.page_sizes(digest, value)[0], value
+        self.txn.put(digest, kept, db=self.dbs["quarantine"])
+        self.add_counter("referenced_raw_nbytes", -self.refs(digest) * raw_nbytes)
+        self.delete_page(digest, record_dies=False)
         return True
 
     def forget_quarantined(self, digest: bytes) -> bool:
+        if self.schema == SCHEMA_V2:
+            return self._forget_quarantined_location(bytes(digest), self.clock())
         return bool(self.txn.delete(bytes(digest), db=self.dbs["quarantine"]))
+
+    def _forget_quarantined_location(self, digest: bytes, stamp_ns: int) -> bool:
+        raw = self.txn.get(digest, db=self.dbs["quarantine"])
+        if raw is None:
+            return False
+        location = self._parse_location(bytes(raw))
+        if location is not None:
+            self.add_dead(location, stamp_ns)
+        return bool(self.txn.delete(digest, db=self.dbs["quarantine"]))
+
+    # -- segments (schema 2): committed tails and dead records ---------------------------
+    def segment_tails(self) -> dict[int, int]:
+        """segment -> committed tail: the index may name bytes [0, tail) of it."""
+        out = {}
+        for key, value in self._items("meta", TAIL_PREFIX):
+            key = bytes(key)
+            if not key.startswith(TAIL_PREFIX):
+                break
+            out[int(key[len(TAIL_PREFIX):], 16)] = U64.unpack(value)[0]
+        return out
+
+    def put_segment_tail(self, segment: int, tail: int) -> None:
+        self.txn.put(TAIL_PREFIX + b"%08x" % segment, U64.pack(tail), db=self.dbs["meta"])
+
+    def add_dead(self, location: Location, stamp_ns: int) -> None:
+        self.txn.put(DEAD_KEY.pack(location.segment, location.offset),
+                     DEAD_VALUE.pack(location.length, stamp_ns), db=self.dbs["dead_records"])
+
+    def dead_records(self) -> Iterator[tuple[Location, int]]:
+        """(location, ns it died) of every dead record, in segment and offset order."""
+        for key, value in self._items("dead_records"):
+            segment, offset = DEAD_KEY.unpack(bytes(key))
+            length, died = DEAD_VALUE.unpack(bytes(value))
+            yield Location(segment, offset, length), died
+
+    def is_dead(self, location: Location) -> bool:
+        return self.txn.get(DEAD_KEY.pack(location.segment, location.offset),
+                            db=self.dbs["dead_records"]) is not None
+
+    def forget_dead(self, location: Location) -> bool:
+        return bool(self.txn.delete(DEAD_KEY.pack(location.segment, location.offset),
+                                    db=self.dbs["dead_records"]))
+
+    def locations(self) -> Iterator[tuple[bytes, Location | None]]:
+        """(digest, location) of every page (schema 2); None for an unparseable one."""
+        for key, value in self._items("pages"):
+            yield bytes(key), self._parse_location(value)
+
+    def quarantined_locations(self) -> Iterator[tuple[bytes, Location | None]]:
+        for key, value in self._items("quarantine"):
+            yield bytes(key), self._parse_location(value)
 
     def forget_page_time(self, digest: bytes) -> bool:
         """Drop a grace time whose page is gone (a GC orphan); False otherwise."""
@@ -388,12 +528,11 @@ class StoreIndex:
                     raise InvalidInput(f"block {b.key.short}'s parent is a partial block or of "
                                        "another format")
             for layer_index, d in zip(fmt.paged_layers, b.pages):
-                value = self.page(d)
-                if value is None:
+                if not self.has_page(d):
                     missing_pages.append(f"page {d.hex()}")
                     continue
                 want = fmt.layers[layer_index].page_nbytes(len(b.tokens))
-                got = accounted_nbytes(value)[0]
+                got = self.raw_nbytes(d)  # as counted when written (page_sizes)
                 if got != want:
                     raise InvalidInput(
                         f"block {b.key.short} layer {layer_index}: page {d.short} holds {got} "
@@ -506,8 +645,11 @@ class StoreIndex:
             yield from (cur.iternext(values=values) if values else cur.iternext(values=False))
 
     def pages(self) -> Iterator[tuple[bytes, object]]:
-        """(digest, stored record) of every page."""
+        """(digest, stored record) of every page (at schema 2 the view page() gives)."""
         for key, value in self._items("pages"):
+            if self.schema == SCHEMA_V2:
+                location = self._parse_location(value)
+                value = self.segments.page_value(location) if location else memoryview(b"")
             yield bytes(key), value
 
     def block_records(self, after: bytes = b"") -> Iterator[tuple[bytes, object]]:
@@ -555,4 +697,4 @@ class StoreIndex:
         return [bytes(k) for k in self._items("page_times", values=False)]
 
 
-__all__ = ["StoreIndex", "IndexAccess", "PendingTouches", "EvictionReport", "check_block_shape", "COUNTERS", "U64", "SIZES", "now_ns"]
+__all__ = ["StoreIndex", "IndexAccess", "PendingTouches", "EvictionReport", "check_block_shape", "COUNTERS", "U64", "SIZES", "now_ns", "SCHEMA_V1", "SCHEMA_V2"]

@@ -57,12 +57,16 @@ T = TypeVar("T")
 DATABASES = {
     "meta": "ascii name -> value (schema version, byte counters, GC history)",
     "formats": "format id (32) -> canonical JSON of the FormatIdentity",
-    "pages": "page digest (32) -> 48-byte header || stored bytes (kvstore/pages.py)",
+    "pages": "page digest (32) -> schema 1: 48-byte header || stored bytes (kvstore/pages.py); "
+             "schema 2: 24-byte location of its segment record (kvstore/segments.py)",
     "page_times": "page digest (32) -> u64be ns of the last upload or dedup hit (GC grace)",
     "page_sizes": "page digest (32) -> u64be raw nbytes || u64be stored nbytes, as counted "
                   "when written (so damage to a record cannot skew the byte counters)",
     "refs": "page digest (32) -> u64be count of block records and checkpoints naming it",
-    "quarantine": "page digest (32) -> the stored value that failed verification",
+    "quarantine": "page digest (32) -> the stored value that failed verification (schema 1), "
+                  "or its 24-byte location (schema 2)",
+    "dead_records": "schema 2: u32be segment || u64be offset -> u64be length || u64be ns it died "
+                    "(a segment record no page names any more; GC punches it after the grace)",
     "blocks": "chain key (32) -> block record (kvstore/records.py)",
     "children": "parent key (32) || child key (32) -> empty",
     "lru": "u64be last-used ns || chain key (32) -> empty",
@@ -73,6 +77,11 @@ DATABASES = {
 # Databases declared after stores existed without them: an existing store that has its
 # meta record may gain them (read-write). Every other missing database is damage.
 ADDED_LATER = frozenset({"page_sizes"})
+# Databases of schema 2 (docs/format.md section 10): a schema-1 store has none of them and
+# is opened without them (never created at open: a v1 store is read-only until `kvstore
+# migrate`, which calls create_schema2_databases). The Store refuses a schema-2 store
+# lacking one as damaged: which databases must exist is decided by the schema number.
+SCHEMA2_DATABASES = frozenset({"dead_records"})
 META_RECORD = b"schema_version"  # written with the databases; its absence is damage
 
 DEFAULT_MAP_NBYTES = 1 << 30
@@ -243,7 +252,8 @@ class LmdbEnv:
                         self._init(txn, dbs)
                     return dbs
             return self._open_or_create(env)  # another process created it first
-        missing = sorted(declared - names)
+        absent_schema2 = (declared - names) & SCHEMA2_DATABASES
+        missing = sorted(declared - names - SCHEMA2_DATABASES)
         if missing and (self.readonly or not set(missing) <= ADDED_LATER or "meta" in missing):
             raise StoreCorrupt(
                 f"store at {self.path} is damaged: LMDB's main database does not list the "
@@ -256,11 +266,12 @@ class LmdbEnv:
             # commits. A handle opened in a caller's read-only txn is dropped when
             # py-lmdb recycles that txn on exit (it resets, not commits, read txns), and
             # every later get() fails with EINVAL.
-            dbs = {name: env.open_db(name.encode(), create=False) for name in DATABASES}
+            dbs = {name: env.open_db(name.encode(), create=False) for name in DATABASES
+                   if name not in absent_schema2}
         else:
             with env.begin(write=True) as txn:  # commits nothing unless ADDED_LATER are made
                 dbs = {name: env.open_db(name.encode(), txn=txn, create=name in missing)
-                       for name in DATABASES}
+                       for name in DATABASES if name not in absent_schema2}
         with env.begin() as txn:
             no_meta = txn.get(META_RECORD, db=dbs["meta"]) is None
             unborn = no_meta and not missing and self._unborn(txn, dbs)
@@ -315,6 +326,18 @@ class LmdbEnv:
             raise StoreCorrupt(f"store at {self.path} is damaged: LMDB's main database cannot be "
                                f"read ({exc}); nothing was written. See docs/reliability.md "
                                "('A store refused as damaged')") from None
+
+    def create_schema2_databases(self) -> None:
+        """Create the SCHEMA2_DATABASES a schema-1 store lacks, empty, in one committed
+        transaction (`kvstore migrate`, before the transaction that sets schema_version
+        2). Idempotent."""
+        assert not self.readonly, "create_schema2_databases on a read-only environment"
+        env = self.env
+        with self._lock.shared():
+            with env.begin(write=True) as txn:
+                made = {name: env.open_db(name.encode(), txn=txn, create=True)
+                        for name in sorted(SCHEMA2_DATABASES - set(self._dbs))}
+        self._dbs.update(made)
 
     def close(self):
         with self._open_lock:
@@ -442,6 +465,21 @@ class LmdbEnv:
         except FileNotFoundError:
             return 0
         return max(0, file_nbytes - used * psize)
+
+    def check_disk_headroom(self, what: str, need_nbytes: int) -> None:
+        """StoreFull, before anything is written, unless the filesystem keeps
+        reserve_nbytes free after need_nbytes more (segment bytes, written beside the
+        map: the map's own headroom is not theirs)."""
+        if self.reserve_nbytes <= 0:
+            return
+        available = self._fs_available()
+        if available - need_nbytes >= self.reserve_nbytes:
+            return
+        raise StoreFull(
+            f"{what} refused: the store's filesystem has {available} bytes free, the write "
+            f"needs {need_nbytes} and the store keeps {self.reserve_nbytes} for deletes and "
+            "GC; nothing was written. Run `kvstore gc` / `kvstore evict` or delete "
+            "checkpoints, or free space")
 
     def _check_headroom(self, what: str, need_nbytes: int) -> None:
         # Messages name no path: they reach HTTP clients (a 507), and the server's

@@ -4,22 +4,27 @@ pack files). Not yet used by Store: the store still keeps page bodies as LMDB va
 (schema version 1). This module is the layer Store switches to at schema version 2.
 
 Nouns:
-  segment     <dir>/<id as 8 hex digits>.seg, preallocated (posix_fallocate) to
-              segment_nbytes (or one record's span, when a record is larger), so a full
-              disk is met when a segment is made, never in the middle of a record.
+  segment     <dir>/<id as 8 hex digits>.seg, preallocated (posix_fallocate) when it is
+              made, so a full disk is met when a segment is made, never in the middle of
+              a record. Its size: segment_nbytes, or, with first_segment_nbytes set (the
+              store's case), the larger of what the append still has to write and twice
+              the previous segment, within [first_segment_nbytes, segment_nbytes]; a
+              record larger than that gets a segment of its own span.
   record      one page at a RECORD_ALIGN (4 KiB) aligned offset:
                 offset size field
                 0      4    magic b"KVS1"
                 4      4    reserved, zero
                 8      32   digest: blake3 of the raw page (the page's name)
-                40     48   the page header of kvstore/pages.py (codec, raw_nbytes,
+                40     32   reserved, zero
+                72     8    xxh3-64 of bytes [0, 72) then [80, 128): a header that is
+                            not a record's (zeros, a punched hole, stale bytes) or that
+                            was damaged is told apart from one that is
+                80     48   the page header of kvstore/pages.py (codec, raw_nbytes,
                             stored_nbytes, xxh3-128 of the stored bytes, digest prefix)
-                88     32   reserved, zero
-                120    8    xxh3-64 of bytes [0, 120): a header that is not a record's
-                            (zeros, a punched hole, stale bytes) or that was damaged is
-                            told apart from one that is
                 128    ...  stored bytes (64-byte aligned: viewable as any dtype)
-              then zero padding to the next 4 KiB boundary (the record's span).
+              then zero padding to the next 4 KiB boundary (the record's span). Bytes
+              [80, length) are exactly a schema-1 page record (header || stored bytes):
+              page_value() views them, and kvstore/pages.py verifies them as at schema 1.
   location    where the index finds a record: (segment, offset, length, flags), packed
               as LOCATION (24 bytes, big-endian); length = RECORD_HEADER_NBYTES +
               stored_nbytes; flags holds the codec.
@@ -56,6 +61,7 @@ import os
 import re
 import struct
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -70,14 +76,17 @@ RECORD_MAGIC = b"KVS1"
 RECORD_ALIGN = 4096
 RECORD_HEADER_NBYTES = 128
 _PREFIX = struct.Struct(">4s4s32s")  # magic, reserved, digest
-_CHECKED_NBYTES = 120
+PAGE_VALUE_AT = 80  # where the page header starts: [80, length) is a v1 page record
+_CHECKSUM_AT = 72
+MIN_SEGMENT_NBYTES = 1 << 20
+PARALLEL_WRITE_NBYTES = 8 << 20  # below this an append writes on the caller's thread
 LOCATION = struct.Struct(">IIQQ")  # segment, flags, offset, length
 DEFAULT_SEGMENT_NBYTES = 1 << 30
 SEGMENT_NAME = re.compile(r"^([0-9a-f]{8})\.seg$")
 _ZEROS = bytes(RECORD_ALIGN)
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
-assert _PREFIX.size + PAGE_HEADER_NBYTES == 88
+assert PAGE_VALUE_AT + PAGE_HEADER_NBYTES == RECORD_HEADER_NBYTES
 
 
 @dataclass(frozen=True)
@@ -116,8 +125,14 @@ def align_up(nbytes: int) -> int:
 def record_header(digest: bytes, page_header: bytes) -> bytes:
     """The 128-byte record header for a page (page_header: pages.encode_page's)."""
     assert len(digest) == 32 and len(page_header) == PAGE_HEADER_NBYTES
-    head = _PREFIX.pack(RECORD_MAGIC, bytes(4), bytes(digest)) + bytes(page_header) + bytes(32)
-    return head + xxhash.xxh3_64_digest(head)
+    head = _PREFIX.pack(RECORD_MAGIC, bytes(4), bytes(digest)) + bytes(32)
+    return head + _header_checksum(head, page_header) + bytes(page_header)
+
+
+def _header_checksum(first: bytes, page_header: bytes) -> bytes:
+    h = xxhash.xxh3_64(first)
+    h.update(page_header)
+    return h.digest()
 
 
 def parse_record_header(view) -> tuple[bytes, PageHeader]:
@@ -128,11 +143,12 @@ def parse_record_header(view) -> tuple[bytes, PageHeader]:
     head = bytes(view[:RECORD_HEADER_NBYTES])
     if head[:4] != RECORD_MAGIC:
         raise ValueError(f"bad record magic {head[:4]!r}")
-    if xxhash.xxh3_64_digest(head[:_CHECKED_NBYTES]) != head[_CHECKED_NBYTES:]:
+    if (_header_checksum(head[:_CHECKSUM_AT], head[PAGE_VALUE_AT:])
+            != head[_CHECKSUM_AT:PAGE_VALUE_AT]):
         raise ValueError("the record header's checksum does not match (damaged header)")
-    if any(head[4:8]) or any(head[88:120]):
+    if any(head[4:8]) or any(head[40:_CHECKSUM_AT]):
         raise ValueError("reserved record header bytes are not zero")
-    page = PageHeader.unpack(head[40:88])
+    page = PageHeader.unpack(head[PAGE_VALUE_AT:])
     return head[8:40], page
 
 
@@ -180,11 +196,14 @@ class SegmentFiles:
     one writer at a time (the caller serialises saves); views are thread-safe."""
 
     def __init__(self, directory: Path, segment_nbytes: int = DEFAULT_SEGMENT_NBYTES, *,
-                 readonly: bool = False):
-        if segment_nbytes < RECORD_ALIGN or segment_nbytes % RECORD_ALIGN:
-            raise ValueError(f"segment_nbytes must be a positive multiple of {RECORD_ALIGN}")
+                 readonly: bool = False, first_segment_nbytes: int | None = None):
+        for nbytes in (segment_nbytes, first_segment_nbytes or RECORD_ALIGN):
+            if nbytes < RECORD_ALIGN or nbytes % RECORD_ALIGN:
+                raise ValueError(f"segment sizes must be positive multiples of {RECORD_ALIGN}")
         self.directory = Path(directory)
         self.segment_nbytes = segment_nbytes
+        # None: every segment is segment_nbytes; else segments grow (module docstring)
+        self.first_segment_nbytes = first_segment_nbytes
         self.readonly = readonly
         self._lock = threading.Lock()
         self._maps: dict[int, mmap.mmap] = {}
@@ -223,29 +242,79 @@ class SegmentFiles:
             raise ValueError(f"tail {tail} is not {RECORD_ALIGN}-aligned")
         self._current, self._tail = segment, tail
 
+    def prepare(self, tails: dict[int, int]) -> None:
+        """Before an append, under the caller's writer lock: resume at the committed tail
+        of the highest segment the index names (tails: segment -> committed tail), and
+        delete every segment file above it. Those have no committed tail: a crashed or
+        failed save made them, no index entry names them, and no reader maps them."""
+        self._unsynced.clear()
+        current = max(tails, default=None)
+        # Another process may have deleted a leftover of ours and made a new segment of
+        # that id since: file descriptors and maps cached for uncommitted segments may
+        # name unlinked files. Write descriptors are reopened per save; maps of
+        # committed segments stay (those files are never replaced).
+        with self._lock:
+            fds, self._write_fds = list(self._write_fds.values()), {}
+            stale = [seg for seg in self._maps if current is None or seg > current]
+            maps = [self._maps.pop(seg) for seg in stale]
+        for fd in fds:
+            os.close(fd)
+        for m in maps:
+            try:
+                m.close()
+            except BufferError:
+                pass  # a view is still exported; the mapping goes with it
+        for segment in self.segments():
+            if current is None or segment > current:
+                self.remove(segment)
+        if current is None:
+            self._current, self._tail = None, 0
+        else:
+            self.resume(current, tails[current])
+
     @property
     def tail(self) -> tuple[int, int] | None:
         """(segment, tail) that the next index commit records, or None before any write."""
         return None if self._current is None else (self._current, self._tail)
 
-    def append(self, records: Sequence[PendingRecord]) -> list[Location]:
+    def append(self, records: Sequence[PendingRecord], *, workers: int = 1) -> list[Location]:
         """Write records (not yet durable: sync() next). Opens a new preallocated segment
         when the current one cannot hold the next record; StoreFull when the disk cannot
-        hold a new segment (nothing of that segment stays behind)."""
+        hold a new segment (nothing of that segment stays behind). Places are reserved
+        first, in order; with workers > 1 and at least PARALLEL_WRITE_NBYTES to write,
+        the pwritev calls then run on that many threads (pwritev drops the GIL, so one
+        thread's copy into the page cache overlaps another's)."""
         assert not self.readonly, "append on a read-only SegmentFiles"
-        out = []
-        for rec in records:
-            stored_nbytes = len(memoryview(rec.stored).cast("B"))
-            length = RECORD_HEADER_NBYTES + stored_nbytes
+        lengths = [RECORD_HEADER_NBYTES + memoryview(rec.stored).nbytes for rec in records]
+        left = sum(align_up(n) for n in lengths)  # what this append still has to write
+        total = left
+        out, places = [], []
+        for rec, length in zip(records, lengths, strict=True):
             span = align_up(length)
-            segment, offset = self._reserve(span)
-            head = record_header(rec.digest, rec.page_header)
-            parts = [head, rec.stored]
+            segment, offset = self._reserve(span, left)
+            self._ensure_fd(segment)
+            left -= span
+            places.append((segment, offset, span))
+            codec = PageHeader.unpack(rec.page_header).codec
+            out.append(Location(segment, offset, length, codec))
+
+        def write(i: int) -> None:
+            rec, length, (segment, offset, span) = records[i], lengths[i], places[i]
+            parts = [record_header(rec.digest, rec.page_header), rec.stored]
             if span > length:
                 parts.append(_ZEROS[: span - length])
             self._pwritev_all(segment, parts, offset, span)
-            codec = PageHeader.unpack(rec.page_header).codec
-            out.append(Location(segment, offset, length, codec))
+
+        workers = min(workers, len(records))
+        if workers <= 1 or total < PARALLEL_WRITE_NBYTES:
+            for i in range(len(records)):
+                write(i)
+        else:
+            step = -(-len(records) // workers)
+            runs = [range(a, min(a + step, len(records))) for a in range(0, len(records), step)]
+            with ThreadPoolExecutor(len(runs), thread_name_prefix="kvstore-write") as pool:
+                for future in [pool.submit(lambda r=r: [write(i) for i in r]) for r in runs]:
+                    future.result()  # the first failure (StoreFull, StoreIOError) raises
         return out
 
     def sync(self) -> None:
@@ -259,7 +328,7 @@ class SegmentFiles:
                                    "pages were not stored") from None
         self._unsynced.clear()
 
-    def _reserve(self, span: int) -> tuple[int, int]:
+    def _reserve(self, span: int, left_nbytes: int = 0) -> tuple[int, int]:
         if self._current is not None:
             size = self.file_nbytes(self._current)
             if self._tail + span <= size:
@@ -267,10 +336,27 @@ class SegmentFiles:
                 self._tail += span
                 self._ensure_fd(self._current)
                 return self._current, offset
-        segment = (max(self.segments(), default=-1)) + 1
-        self._create(segment, max(self.segment_nbytes, span))
+        last = max(self.segments(), default=-1)
+        segment = last + 1
+        preferred = max(self._new_segment_nbytes(last, left_nbytes), span)
+        needed = max(span, min(align_up(left_nbytes), preferred))  # this append's rest
+        try:
+            self._create(segment, preferred)
+        except StoreFull:
+            if needed >= preferred:
+                raise
+            # a nearly full disk (space freed by punched holes is scattered): a segment
+            # just large enough for what this append still has to write
+            self._create(segment, needed)
         self._current, self._tail = segment, span
         return segment, 0
+
+    def _new_segment_nbytes(self, last: int, left_nbytes: int) -> int:
+        if self.first_segment_nbytes is None:
+            return self.segment_nbytes
+        previous = self.file_nbytes(last) if last >= 0 else 0
+        want = max(self.first_segment_nbytes, align_up(left_nbytes), 2 * previous)
+        return min(self.segment_nbytes, want)
 
     def _create(self, segment: int, nbytes: int) -> None:
         path = self.path(segment)
@@ -331,6 +417,12 @@ class SegmentFiles:
         end = min(location.offset + location.length, len(m))
         return memoryview(m)[min(location.offset, end):end]
 
+    def page_value(self, location: Location) -> memoryview:
+        """Zero-copy view of the record's page value, bytes [80, length): a schema-1
+        page record (48-byte header || stored bytes), to verify with
+        kvstore.pages.verify_stored. Shorter (down to empty) past the file's end."""
+        return self.view(location)[PAGE_VALUE_AT:]
+
     def read_verified(self, location: Location, digest: bytes) -> tuple[PageHeader, memoryview]:
         return verify_record(self.view(location), digest, location)
 
@@ -348,12 +440,13 @@ class SegmentFiles:
                 self._maps[segment] = m
             return m
 
-    def scan(self, segment: int, tail: int | None = None) -> Iterator[ScannedRecord]:
+    def scan(self, segment: int, tail: int | None = None, *, verify: bool = True
+             ) -> Iterator[ScannedRecord]:
         """Every record of a segment up to tail (the file's end by default), in offset
         order: at each 4 KiB boundary an intact header starts a record (its span is
         skipped); anything else (zeros, a punched hole, a damaged header) is skipped
         one block at a time. A record whose header is intact but whose body fails is
-        reported with its problem."""
+        reported with its problem (verify=False: headers only, problem None)."""
         m = self._map(segment)
         if m is None:
             return
@@ -367,11 +460,12 @@ class SegmentFiles:
                 offset += RECORD_ALIGN
                 continue
             length = RECORD_HEADER_NBYTES + page.stored_nbytes
-            try:
-                verify_record(memoryview(m)[offset:min(offset + length, len(m))], digest)
-                problem = None
-            except ValueError as exc:
-                problem = str(exc)
+            problem = None
+            if verify:
+                try:
+                    verify_record(memoryview(m)[offset:min(offset + length, len(m))], digest)
+                except ValueError as exc:
+                    problem = str(exc)
             yield ScannedRecord(offset, length, digest, problem)
             offset += align_up(length)
 

@@ -1,11 +1,15 @@
-"""Store: the embedded, durable, content-addressed page store over one LMDB directory.
+"""Store: the embedded, durable, content-addressed page store over one directory: page
+bodies in segment files (kvstore/segments.py), LMDB as the index (schema version 2,
+docs/format.md section 10). A schema-1 store (page bodies as LMDB values) is opened
+read-only: reads work, every write raises NeedsMigration naming `kvstore migrate`.
 
 It implements the store protocol (kvstore/protocol.py), as kvstore.client.RemoteStore
 (HTTP) and kvstore.tier.TieredStore (S3) do, so callers (the engine, the CLI) take any.
 
 A save goes pages first, then records:
   missing(digests)        which pages the store lacks (and marks present ones as in use)
-  put_pages(pages)        hash, compress where it pays, write; durable on return
+  put_pages(pages)        hash, compress where it pays, append to a segment,
+                          fdatasync it, then one index commit; durable on return
   commit_blocks(records)  atomic; refuses records whose pages, parent or format are absent
   create_checkpoint(c)    atomic; pins its blocks and attachment pages
 A restore goes lookup_prefix -> get_pages / read_pages_into. Every page read is checked
@@ -20,21 +24,25 @@ that change it; `Store.index` hands it out one transaction at a time.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Sequence
 
-from kvstore import faults
+from kvstore import faults, fileio
 from kvstore.check import CheckReport, check_store
 from kvstore.errors import (
     AlreadyExists,
     IntegrityError,
     InvalidInput,
     MissingReferences,
+    NeedsMigration,
     NotFound,
+    StoreCorrupt,
     StoreFull,
     StoreIOError,
     UnsupportedVersion,
@@ -44,6 +52,8 @@ from kvstore.gc import GCPlan, plan_gc
 from kvstore.ids import ChainKey, ChainSalts, PageDigest, check_namespace
 from kvstore.index import (
     COUNTERS,
+    SCHEMA_V1,
+    SCHEMA_V2,
     U64,
     EvictionReport,
     IndexAccess,
@@ -70,16 +80,22 @@ from kvstore.pages import (
     verified_pages,
     verify_stored,
 )
+from kvstore.readinto import read_verified
+from kvstore.segments import RECORD_HEADER_NBYTES, PendingRecord, SegmentFiles, align_up
 from kvstore.records import BlockRecord, Checkpoint, checkpoint_key
 from kvstore.results import CommitResult, PrefixMatch, PutResult, StoreStats
 
-STORE_SCHEMA_VERSION = 1
-# One commit per save up to these: each commit is an fdatasync (ten 64 MiB batches cost
-# ~1 s of syncs at 512 MiB, issue 19). What the cap buys: LMDB holds a transaction's
-# dirty pages in memory (up to PUT_BATCH_NBYTES of copies), and its dirty list holds
-# 2^17 entries (one per overflow run, so per page past ~2 KiB: PUT_BATCH_PAGES).
+STORE_SCHEMA_VERSION = SCHEMA_V2  # what a new store is made with; 1 is still read
+# One segment sync and one index commit per save up to these (issue 19). What the caps
+# buy: zstd frames of a batch are held in memory (up to PUT_BATCH_NBYTES), and LMDB's
+# dirty list holds 2^17 pages (a batch's index entries stay well under it).
 PUT_BATCH_NBYTES = 1 << 30
 PUT_BATCH_PAGES = 32768
+INDEX_NBYTES_PER_PAGE = 512  # what one page adds to the index (location, sizes, time)
+DEFAULT_SEGMENT_NBYTES = 256 << 20  # segments grow from FIRST_SEGMENT_NBYTES up to this
+FIRST_SEGMENT_NBYTES = 1 << 20
+SAVE_WORKERS = os.cpu_count() or 1  # threads that encode and write a save's records
+PARALLEL_ENCODE_NBYTES = 8 << 20
 TOUCH_FLUSH_S = 10.0
 EVICT_BATCH_BLOCKS = 1024  # blocks per eviction transaction at most (see Store.evict)
 __all__ = ["Store", "StoreConfig", "StoreStats", "PutResult", "CommitResult", "PrefixMatch",
@@ -94,6 +110,7 @@ class StoreConfig:
     budget_nbytes: int | None = None  # evict LRU unpinned blocks past this many stored bytes
     reserve_nbytes: int = DEFAULT_RESERVE_NBYTES  # disk kept free for deletes and GC
     compression: Compression = field(default_factory=Compression)
+    segment_nbytes: int = DEFAULT_SEGMENT_NBYTES  # largest segment file (kvstore/segments.py)
     # namespace -> 32-byte secret salt of its chain keys (docs/format.md section 3);
     # namespaces not named are unsalted. Give every process that opens the store the
     # same salts: a reader without a salted namespace's salt refuses its records.
@@ -115,18 +132,33 @@ class Store:
         self._lmdb = LmdbEnv(self.path, self.config.map_nbytes, self.config.max_map_nbytes,
                              readonly=readonly, reserve_nbytes=self.config.reserve_nbytes,
                              init=_init_meta)
+        try:
+            self.schema_version = self._read_schema()
+        except BaseException:
+            self._lmdb.close()
+            raise
+        self._segments = None
+        if self.schema_version == SCHEMA_V2:
+            self._segments = SegmentFiles(self.path / "segments", self.config.segment_nbytes,
+                                          readonly=readonly,
+                                          first_segment_nbytes=min(FIRST_SEGMENT_NBYTES,
+                                                                   self.config.segment_nbytes))
+        self._writable = not readonly and self.schema_version == SCHEMA_V2
+        self._writer_lock = threading.Lock()
         self._formats: dict[bytes, FormatIdentity] = {}
         self._touches = PendingTouches()
         self._lookup_lock = threading.Lock()
         # lookups, hits, tokens asked, tokens matched, lookups stopped at a damaged block
         self._lookups = [0, 0, 0, 0, 0]
         # the index, one transaction at a time (kvstore/index.py)
-        self.index = IndexAccess(self._lmdb, _clock, self.config.chain_salts)
-        self._check_schema()
+        self.index = IndexAccess(self._lmdb, _clock, self.config.chain_salts,
+                                 schema=self.schema_version, segments=self._segments,
+                                 refuse_writes=self._refusal())
 
     @property
     def maps_pages(self) -> bool:
-        """get_pages yields zero-copy views of the LMDB map (kvstore/protocol.py)."""
+        """get_pages yields zero-copy views (kvstore/protocol.py): of the segment files'
+        maps at schema 2, of the LMDB map at schema 1."""
         return True
 
     def chain_salt(self, namespace: str) -> bytes | None:
@@ -139,9 +171,11 @@ class Store:
         return cls(path, StoreConfig(**config) if config else None)
 
     def close(self) -> None:
-        if not self._lmdb.readonly:
+        if self._writable:
             self._flush_touches()
         self._lmdb.close()
+        if self._segments is not None:
+            self._segments.close()
 
     def __enter__(self):
         return self
@@ -149,15 +183,42 @@ class Store:
     def __exit__(self, *exc):
         self.close()
 
-    def _check_schema(self):
-        with self.index.read() as index:
-            raw = index.meta(META_RECORD)
-        version = U64.unpack(raw)[0] if raw is not None else 0
-        if version > STORE_SCHEMA_VERSION:
+    def _read_schema(self) -> int:
+        """The store's schema_version; every branch keys on this number (docs/format.md
+        section 10), never on a missing key or database. LmdbEnv has already refused an
+        environment without the meta record."""
+        with self._lmdb.read() as txn:
+            raw = txn.get(META_RECORD, db=self._lmdb.dbs["meta"])
+        version = U64.unpack(raw)[0] if raw is not None and len(raw) == U64.size else None
+        if version is not None and version > STORE_SCHEMA_VERSION:
             raise UnsupportedVersion(
                 f"store at {self.path} has schema version {version}; this code reads up to "
                 f"{STORE_SCHEMA_VERSION}. Upgrade mlx-kvstore"
             )
+        if version not in (SCHEMA_V1, SCHEMA_V2):
+            raise StoreCorrupt(f"store at {self.path} is damaged: its schema_version record is "
+                               f"{bytes(raw or b'').hex() or 'empty'}, not a version this code "
+                               "knows; nothing was written. See docs/reliability.md ('A store "
+                               "refused as damaged')")
+        if version == SCHEMA_V2 and "dead_records" not in self._lmdb.dbs:
+            raise StoreCorrupt(f"store at {self.path} is damaged: it is schema version 2 but "
+                               "LMDB's main database does not list the sub-database "
+                               "dead_records; nothing was written. See docs/reliability.md "
+                               "('A store refused as damaged')")
+        return version
+
+    def _refusal(self):
+        if self.schema_version != SCHEMA_V1:
+            return None
+        path = self.path
+
+        def refuse(what: str) -> NeedsMigration:
+            return NeedsMigration(
+                f"{what} refused: the store at {path} is schema version 1 (page bodies in "
+                f"LMDB), which this code reads but does not write; nothing was written. Run "
+                f"`kvstore migrate {path}` to move it to schema version "
+                f"{STORE_SCHEMA_VERSION}")
+        return refuse
 
     # -- formats -------------------------------------------------------------------
     def put_format(self, identity: FormatIdentity) -> bytes:
@@ -220,8 +281,12 @@ class Store:
         recomputed first; one mismatch refuses the whole call with DigestMismatch and
         nothing is written. A PageBatch (kvstore/pages.py: digests this process's
         kvstore computed, PageBatch.hash) is not hashed again, and zstd is decided once
-        per page format in it. Idempotent. Durable when it returns: one commit (one
-        fdatasync) for up to PUT_BATCH_NBYTES / PUT_BATCH_PAGES of pages."""
+        per page format in it. Idempotent. Durable when it returns: the records are
+        appended to segment files and fdatasync'ed, then one index commit makes them
+        reachable (docs/format.md section 10), for up to PUT_BATCH_NBYTES /
+        PUT_BATCH_PAGES of pages."""
+        if not self._writable:
+            raise (self.index.refuse_writes or _read_only)("storing pages")
         policy = self.config.compression
         if isinstance(pages, PageBatch):
             checked = list(pages)
@@ -232,19 +297,72 @@ class Store:
         new = existing = stored_total = 0
         for batch in _batches(list(zip(checked, decisions, strict=True)), PUT_BATCH_NBYTES,
                               PUT_BATCH_PAGES):
-            encoded = [(d, *encode_page(data, policy, d, try_zstd=z)) for (d, data), z in batch]
-            need = sum(HEADER_NBYTES + len(stored) for _, _, stored in encoded)
-            n, e, s = self.index.write(lambda index: index.write_pages(encoded),
-                                       what="storing pages", buffers=True, need_nbytes=need)
+            n, e, s = self._put_batch(batch, policy)
             faults.crash_point("pages_synced")
             new, existing, stored_total = new + n, existing + e, stored_total + s
         return PutResult(new, existing, stored_total)
 
+    def _put_batch(self, batch: list, policy: Compression) -> tuple[int, int, int]:
+        """One batch: under the writer lock, append the absent pages' records, sync them,
+        then one index commit of their locations and the segments' new tails."""
+        with self._segment_writer():
+            with self.index.read() as index:
+                present = {d for (d, _), _ in batch if index.has_page(d)}
+                tails = index.segment_tails()
+            todo, seen = [], set(present)
+            for (d, data), z in batch:
+                if d not in seen:
+                    seen.add(d)
+                    todo.append((d, data, z))
+            encoded = _encode_pages(todo, policy)
+            locations = []
+            if encoded:
+                need = sum(align_up(RECORD_HEADER_NBYTES + len(stored)) for _, _, stored in encoded)
+                self._lmdb.check_disk_headroom("storing pages", need)
+                self._segments.prepare(tails)
+                locations = self._segments.append(
+                    [PendingRecord(d, header, stored) for d, header, stored in encoded],
+                    workers=SAVE_WORKERS)
+                faults.crash_point("segments_written")
+                self._segments.sync()  # StoreIOError on failure: nothing is committed
+                faults.crash_point("segments_synced")
+            new_tails: dict[int, int] = {}
+            for loc in locations:
+                new_tails[loc.segment] = max(new_tails.get(loc.segment, 0), loc.end)
+            items = [(d, header, loc) for (d, header, _), loc in zip(encoded, locations, strict=True)]
+            dups = len(batch) - len(todo) - len(present)  # pages named twice in this batch
+            stamp = now_ns()
+
+            def commit(index: StoreIndex) -> tuple[int, int, int]:
+                n, e, s = index.write_pages(items)
+                for d in present:  # a dedup hit refreshes the page's grace time
+                    index.refresh_page_time(d, stamp)
+                for segment, tail in new_tails.items():
+                    index.put_segment_tail(segment, tail)
+                return n, e, s
+            n, e, s = self.index.write(commit, what="storing pages", buffers=True,
+                                       need_nbytes=INDEX_NBYTES_PER_PAGE * len(batch))
+            return n, e + len(present) + dups, s
+
+    @contextmanager
+    def _segment_writer(self):
+        """One appender at a time: this process's threads (a lock), and other processes
+        (an exclusive flock on <store>/segments.lock, opened per save, so a forked child
+        never shares the parent's lock)."""
+        with self._writer_lock:
+            fd = fileio.open_lock(self.path / "segments.lock")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)
+
     @contextmanager
     def get_pages(self, digests: Sequence) -> Iterator[list]:
         """Zero-copy: yields one read-only buffer per digest, valid only inside the
-        with-block (they point into the LMDB map; zstd pages are decompressed copies).
-        Every page is verified before anything is yielded."""
+        with-block (they point into a segment's map, or the LMDB map at schema 1; zstd
+        pages are decompressed copies). Every page (and at schema 2 its record header)
+        is verified before anything is yielded."""
         wanted = [PageDigest.coerce(d) for d in digests]
         damaged: list[tuple[PageDigest, str]] = []
         with self.index.read(buffers=True) as index:
@@ -258,13 +376,14 @@ class Store:
                     views.append(decode_stored(header, body))
                 except ValueError as exc:
                     damaged.append((d, str(exc)))
+                    continue
+                problem = index.record_problem(d)  # schema 2: the segment record's header
+                if problem is not None:
+                    damaged.append((d, problem))
             if not damaged:
                 yield views
                 return
-        if not self._lmdb.readonly:
-            self.index.write(lambda index: [index.quarantine_page(d) for d, _ in damaged],
-                             what="quarantining damaged pages", freeing=True)
-        raise IntegrityError(damaged[0][0].hex(), damaged[0][1])
+        self._quarantine(damaged)
 
     def read_pages(self, digests: Sequence) -> list[bytes]:
         """Copying variant of get_pages."""
@@ -273,19 +392,47 @@ class Store:
 
     def read_pages_into(self, digests: Sequence, buffers: Sequence) -> int:
         """Copy each verified page into the matching writable buffer (exact length).
-        Returns bytes copied."""
+        Returns bytes copied. Each page is verified and copied in one pass, on worker
+        threads (kvstore/readinto.py), straight from the segment map; a damaged page is
+        quarantined and IntegrityError names it, as get_pages does."""
         if len(buffers) != len(digests):
             raise InvalidInput(f"{len(digests)} digests but {len(buffers)} buffers")
-        total = 0
-        with self.get_pages(digests) as views:
-            for d, view, buf in zip(digests, views, buffers):
-                dest = memoryview(buf).cast("B")
-                if dest.nbytes != len(view):
-                    raise InvalidInput(f"buffer for page {PageDigest.coerce(d).short} holds "
-                                       f"{dest.nbytes} bytes, the page has {len(view)}")
-                dest[:] = view
-                total += dest.nbytes
-        return total
+        wanted = [PageDigest.coerce(d) for d in digests]
+        dests = [memoryview(buf).cast("B") for buf in buffers]
+        with self.index.read(buffers=True) as index:
+            records = []
+            for d, dest in zip(wanted, dests, strict=True):
+                value = index.page(d)
+                if value is None:
+                    _raise_absent(index, d)
+                records.append((d, value))
+            header_damage = [(i, problem) for i, (d, _) in enumerate(records)
+                             if (problem := index.record_problem(d)) is not None]
+            if header_damage:  # schema 2: a damaged record header; nothing is copied
+                records = []
+            for (d, value), dest in zip(records, dests):
+                nbytes = index.page_sizes(d, value)[0]  # as counted when written
+                if dest.nbytes != nbytes:
+                    raise InvalidInput(f"buffer for page {d.short} holds {dest.nbytes} "
+                                       f"bytes, the page has {nbytes}")
+
+            def sink(i: int, raw) -> None:
+                if len(raw) != dests[i].nbytes:
+                    raise InvalidInput(f"buffer for page {wanted[i].short} holds "
+                                       f"{dests[i].nbytes} bytes, the page has {len(raw)}")
+                dests[i][:] = raw
+            damaged = header_damage or read_verified(records, sink)
+        if damaged:
+            self._quarantine([(wanted[i], reason) for i, reason in damaged])
+        return sum(dest.nbytes for dest in dests)
+
+    def _quarantine(self, damaged: list[tuple[PageDigest, str]]):
+        """Quarantine damaged pages (where this store may write) and raise IntegrityError
+        naming the first."""
+        if self._writable:
+            self.index.write(lambda index: [index.quarantine_page(d) for d, _ in damaged],
+                             what="quarantining damaged pages", freeing=True)
+        raise IntegrityError(damaged[0][0].hex(), damaged[0][1])
 
     def page_nbytes(self, digests: Sequence) -> list[int]:
         """Raw (uncompressed) length of each page; NotFound when absent."""
@@ -495,7 +642,7 @@ class Store:
         with self._lookup_lock:
             for i, n in enumerate((1, 1 if matched else 0, asked, matched, 1 if damaged else 0)):
                 self._lookups[i] += n
-        if keys and self._touches.add(keys, now_ns()) > TOUCH_FLUSH_S and not self._lmdb.readonly:
+        if keys and self._touches.add(keys, now_ns()) > TOUCH_FLUSH_S and self._writable:
             try:
                 self._flush_touches()
             except (StoreIOError, StoreFull):
@@ -523,6 +670,10 @@ def _init_meta(txn, dbs) -> None:
     txn.put(META_RECORD, U64.pack(STORE_SCHEMA_VERSION), db=dbs["meta"])
 
 
+def _read_only(what: str) -> StoreIOError:
+    return StoreIOError(f"{what} refused: the store was opened read-only; nothing was written")
+
+
 def _raise_absent(index: StoreIndex, d: PageDigest):
     if index.is_quarantined(d):
         raise IntegrityError(d.hex(), "quarantined earlier")
@@ -538,6 +689,21 @@ def format_id_bytes(format_id) -> bytes:
     if isinstance(format_id, (bytes, bytearray, memoryview)) and len(format_id) == 32:
         return bytes(format_id)
     raise InvalidInput(f"not a format id: {format_id!r:.80}")
+
+
+def _encode_pages(todo: list, policy: Compression) -> list[tuple]:
+    """(digest, data, zstd decision) -> (digest, header, stored bytes), in order: the
+    xxh3-128 (and any zstd) of each page, on SAVE_WORKERS threads once a batch is large
+    enough to pay for them."""
+    def encode(item):
+        d, data, z = item
+        return (d, *encode_page(data, policy, d, try_zstd=z))
+    total = sum(len(data) for _, data, _ in todo)
+    workers = min(SAVE_WORKERS, len(todo))
+    if workers <= 1 or total < PARALLEL_ENCODE_NBYTES:
+        return [encode(item) for item in todo]
+    with ThreadPoolExecutor(workers, thread_name_prefix="kvstore-encode") as pool:
+        return list(pool.map(encode, todo, chunksize=max(1, len(todo) // (4 * workers))))
 
 
 def _batches(items: list, max_nbytes: int, max_pages: int):

@@ -32,9 +32,11 @@ from typing import Sequence
 import blake3
 
 from kvstore.format import FormatIdentity, LayerSpec
+from kvstore.gc import gc_history
 from kvstore.ids import ROOT_KEY, ChainKey, PageDigest, page_digest
 from kvstore.pages import HEADER_NBYTES
 from kvstore.records import BlockRecord, Checkpoint, blocks_for_tokens
+from kvstore.segments import PAGE_VALUE_AT, RECORD_ALIGN
 from kvstore.store import Store, StoreConfig
 
 BLOCK_SIZE_TOKENS = 4
@@ -181,10 +183,17 @@ def gc_now(store: Store) -> dict:
 
 
 def assert_no_garbage(store: Store) -> None:
-    """After a GC: no unreferenced pages, no quarantine, no stale grace entries."""
+    """After a GC: no unreferenced pages, no quarantine, no stale grace entries; and
+    after a GC with grace 0, no dead segment record left unpunched (with a grace, the
+    records its deletes made wait for the next GC, by design)."""
     plan = store.plan_gc(0.0)
-    assert plan.summary() == {"grace_s": 0.0, "unreferenced_pages": 0, "unreferenced_nbytes": 0,
-                              "quarantined_pages": 0, "stale_time_entries": 0}, plan.summary()
+    summary = plan.summary()
+    dead = {k: summary.pop(k) for k in ("dead_records", "dead_nbytes")}
+    assert summary == {"grace_s": 0.0, "unreferenced_pages": 0, "unreferenced_nbytes": 0,
+                       "quarantined_pages": 0, "stale_time_entries": 0}, plan.summary()
+    history = gc_history(store)
+    if history and history[-1]["grace_s"] == 0:
+        assert dead == {"dead_records": 0, "dead_nbytes": 0}, dead
     stats = store.stats()
     with store.lmdb.read() as txn:
         times = txn.stat(store.lmdb.dbs["page_times"])["entries"]
@@ -193,35 +202,58 @@ def assert_no_garbage(store: Store) -> None:
 
 # -- damage ------------------------------------------------------------------------------
 def stored_value(store: Store, digest: bytes) -> bytes:
-    with store.lmdb.read() as txn:
-        value = txn.get(bytes(digest), db=store.lmdb.dbs["pages"])
+    """The page's stored value as a schema-1 page record (48-byte header || stored
+    bytes): at schema 2, a copy of bytes [80, length) of its segment record."""
+    with store.index.read() as index:
+        value = index.page(bytes(digest))
+        value = bytes(value) if value is not None else None
     assert value is not None, f"page {bytes(digest).hex()} is not stored"
     return value
 
 
+def stored_places(store_path: Path, value: bytes) -> list[tuple[Path, int]]:
+    """Every (file, offset) where the stored value lies, found by content (use random
+    page bytes): at schema 2 inside a segment record (the value starts 80 bytes into a
+    4 KiB-aligned record, kvstore/segments.py); at schema 1 inside data.mdb, where LMDB
+    leaves stale copies of rewritten pages in free pages and leaf gaps (all of them)."""
+    seg_dir = Path(store_path) / "segments"
+    segment_files = sorted(seg_dir.glob("*.seg")) if seg_dir.is_dir() else []
+    places = []
+    for path in segment_files:
+        blob = path.read_bytes()
+        at = blob.find(value)
+        while at >= 0:
+            if (at - PAGE_VALUE_AT) % RECORD_ALIGN == 0:
+                places.append((path, at))
+            at = blob.find(value, at + 1)
+    if segment_files:
+        assert places, "page value not found in any segment record"
+        return places
+    blob = (Path(store_path) / "data.mdb").read_bytes()
+    at = blob.find(value)
+    while at >= 0:
+        places.append((Path(store_path) / "data.mdb", at))
+        at = blob.find(value, at + 1)
+    assert places, "page value not found in data.mdb"
+    return places
+
+
 def flip_bit(store_path: Path, value: bytes, bit: int) -> int:
     """Flip bit `bit` (0 = the first bit of the 48-byte page header) of one stored page
-    value inside <store>/data.mdb, with no Store open. The value is found by content (use
-    random page bytes). LMDB leaves stale copies of rewritten pages in free pages and in
-    the free gap of leaf pages, so every copy is flipped: the stale ones are unreachable,
-    and the live one is damaged for sure. Returns the file offset of the first."""
+    value, with no Store open: inside its segment record at schema 2 (the page header
+    at record offset 80, the stored bytes at 128), inside data.mdb at schema 1 (every
+    copy, see stored_places). Returns the file offset of the first bit flipped."""
     assert 0 <= bit < 8 * len(value), f"bit {bit} is outside the {len(value)}-byte value"
-    data_path = Path(store_path) / "data.mdb"
-    blob = data_path.read_bytes()
-    offsets, at = [], blob.find(value)
-    while at >= 0:
-        offsets.append(at + bit // 8)
-        at = blob.find(value, at + 1)
-    assert offsets, "page value not found in data.mdb"
-    with open(data_path, "r+b") as f:
-        for offset in offsets:
-            f.seek(offset)
+    places = stored_places(store_path, value)
+    for path, at in places:
+        with open(path, "r+b") as f:
+            f.seek(at + bit // 8)
             byte = f.read(1)[0]
-            f.seek(offset)
+            f.seek(at + bit // 8)
             f.write(bytes([byte ^ (1 << (bit % 8))]))
-        f.flush()
-        os.fsync(f.fileno())
-    return offsets[0]
+            f.flush()
+            os.fsync(f.fileno())
+    return places[0][1] + bit // 8
 
 
 def header_field_bits() -> dict[str, int]:

@@ -101,8 +101,8 @@ def test_damage_inside_a_record_is_named(tmp_path, where):
     loc = files.append([rec])[0]
     files.sync()
     files.close()
-    at = {"body": RECORD_HEADER_NBYTES + 1000, "digest": 9, "header_length": 40 + 23,
-          "checksum": 121}[where]
+    at = {"body": RECORD_HEADER_NBYTES + 1000, "digest": 9, "header_length": 80 + 23,
+          "checksum": 73}[where]
     with open(files.path(loc.segment), "r+b") as f:
         f.seek(loc.offset + at)
         b = f.read(1)[0]

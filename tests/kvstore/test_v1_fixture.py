@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import blake3
+import pytest
 import zstandard
 
 from kvstore.store import Store
@@ -64,3 +65,76 @@ def make_fixture(out: Path = FIXTURE) -> Path:
     out.write_bytes(zstandard.ZstdCompressor(level=19).compress((work / "data.mdb").read_bytes()))
     shutil.rmtree(work)
     return out
+
+
+def test_a_v1_store_opened_read_write_refuses_every_write_naming_migrate(tmp_path):
+    """Schema 1 is read, never written (docs/format.md section 10): a read-write open
+    serves the pages, and every write raises NeedsMigration naming `kvstore migrate`,
+    with nothing written (data.mdb byte-identical, no segment files made)."""
+    from kvstore.errors import NeedsMigration
+    from kvstore.pages import hash_page
+
+    path = unpack(tmp_path / "v1")
+    before = (path / "data.mdb").read_bytes()
+    with Store(path) as store:
+        assert store.schema_version == 1
+        assert len(all_pages(store)) == 20
+        page = b"a new page" * 50
+        attempts = {
+            "put_pages": lambda: store.put_pages({hash_page(page): page}),
+            "save": lambda: save_prefix(store, IDENTITY, "default", list(range(50, 70))),
+            "delete_checkpoint": lambda: store.delete_checkpoint("default", "c"),
+            "evict": lambda: store.evict(0),
+            "gc": lambda: store.plan_gc(0.0).execute(),
+            "put_format": lambda: store.put_format(make_identity(model_id="another")),
+        }
+        for name, attempt in attempts.items():
+            with pytest.raises(NeedsMigration, match="kvstore migrate") as info:
+                attempt()
+            assert "schema version 1" in str(info.value), name
+        restore_prefix(store, IDENTITY, *SAVES[0][:2])  # lookups still work (no LRU write)
+    assert (path / "data.mdb").read_bytes() == before
+    assert not (path / "segments").exists()
+
+
+def test_a_store_of_an_unknown_or_zero_schema_version_is_refused_not_guessed(tmp_path):
+    """Every branch keys on the schema_version number: 0 (or any value that is not 1 or
+    2) is damage (StoreCorrupt), a larger one UnsupportedVersion; neither is opened as a
+    v1 or a v2 store, and nothing is written."""
+    import lmdb
+
+    from kvstore.errors import StoreCorrupt, UnsupportedVersion
+
+    for value, error in ((0, StoreCorrupt), (3, UnsupportedVersion)):
+        path = unpack(tmp_path / f"v{value}")
+        env = lmdb.open(str(path), max_dbs=16)
+        meta = env.open_db(b"meta", create=False)
+        with env.begin(write=True) as txn:
+            txn.put(b"schema_version", value.to_bytes(8, "big"), db=meta)
+        env.close()
+        before = (path / "data.mdb").read_bytes()
+        for readonly in (True, False):
+            with pytest.raises(error):
+                Store(path, readonly=readonly)
+        assert (path / "data.mdb").read_bytes() == before
+        assert not (path / "segments").exists()
+
+
+def test_a_v2_store_without_its_dead_records_database_is_refused_as_damaged(tmp_path):
+    """A schema-2 store must have every schema-2 database: the v1 fixture relabelled 2
+    (so it lacks dead_records) is StoreCorrupt, never given the database."""
+    import lmdb
+
+    from kvstore.errors import StoreCorrupt
+
+    path = unpack(tmp_path / "v2")
+    env = lmdb.open(str(path), max_dbs=16)
+    meta = env.open_db(b"meta", create=False)
+    with env.begin(write=True) as txn:
+        txn.put(b"schema_version", (2).to_bytes(8, "big"), db=meta)
+    env.close()
+    before = (path / "data.mdb").read_bytes()
+    for readonly in (True, False):
+        with pytest.raises(StoreCorrupt, match="dead_records"):
+            Store(path, readonly=readonly)
+    assert (path / "data.mdb").read_bytes() == before

@@ -25,6 +25,8 @@ SEEDS = range(12) if SOAK else range(4)
 # each step runs max(len(SEEDS), len(pairs)) seeds, so every pair runs at least once
 OPTIONS = {
     "page_written": [("save", 1)],
+    "segments_written": [("save", 1)],
+    "segments_synced": [("save", 1)],
     "pages_synced": [("save", 1)],
     "index_before_commit": [("save", 1), ("save", 2), ("save", 3), ("delete", 1), ("gc", 2),
                             ("gc", 1), ("gc", 3), ("evict", 1)],
@@ -33,6 +35,7 @@ OPTIONS = {
     "acknowledged": [("save", 1), ("save", 2)],
     "gc_listed": [("gc", 1)],
     "gc_deleted": [("gc", 1), ("gc", 2)],
+    "gc_punched": [("gc", 1), ("gc", 2)],
 }
 CASES = [(step, *options[seed % len(options)], seed) for step, options in OPTIONS.items()
          for seed in range(max(len(SEEDS), len(options)))]  # every option, >= SEEDS seeds
@@ -84,6 +87,8 @@ def test_crash_point(tmp_path, step, op, k, seed):
             assert restore_exact(store, "ns", crash_b(seed)) == (len(crash_b(seed)), True)
         if op == "save" and step == "page_written":
             assert st["b_pages_none"] and not any(st["b_blocks"])
+        if op == "save" and step in ("segments_written", "segments_synced"):
+            assert st["b_pages_none"] and not any(st["b_blocks"])  # nothing acknowledged
         if op == "save" and step == "pages_synced":
             assert st["b_pages_all"] and not any(st["b_blocks"])
         if op == "save" and step == "acknowledged":

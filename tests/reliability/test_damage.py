@@ -1,7 +1,9 @@
 """6. Damage sweep. A store of 520 pages (raw and zstd); 200 of them are damaged through
-a raw LMDB write transaction: bit flips anywhere in the record, 1-byte truncation, a
-zeroed 4 KiB run, and pairs of pages swapped (each record moved under the other's
-key: self-consistent records under the wrong name). Then:
+their segment records (schema 2): bit flips anywhere in the record (its header or its
+page), 1-byte truncation (the index names one byte less, through a raw LMDB write), a
+zeroed 4 KiB run overlapping the record, and pairs of records swapped (each record's
+bytes moved under the other's location: self-consistent records under the wrong
+name). Then:
   - check(read_data=True) lists exactly the damaged set: 0 missed, 0 false alarms;
   - restore detects 100%: reading a damaged page raises IntegrityError naming it, never
     returns bytes, and every undamaged page reads back exactly.
@@ -9,13 +11,16 @@ Two seeds in CI, twenty with KVSTORE_SOAK=1."""
 
 from __future__ import annotations
 
+import os
 import random
+from pathlib import Path
 
 import lmdb
 import pytest
 
 from kvstore.errors import IntegrityError
 from kvstore.ids import page_digest
+from kvstore.segments import Location
 from kvstore.store import Store
 from tests.reliability.common import SOAK, metric
 
@@ -37,41 +42,69 @@ def _pages(rng: random.Random) -> dict:
 
 
 def _damage(store_dir, rng: random.Random, pages: dict) -> dict:
-    """Damage 200 pages in place; returns digest -> kind."""
+    """Damage 200 pages in place, inside their segment records (schema 2, kvstore/
+    segments.py); returns digest -> kind. Locations come from a raw LMDB read."""
     env = lmdb.open(str(store_dir), max_dbs=16, subdir=True)
     db = env.open_db(b"pages", create=False)
     digests = sorted(pages)
     rng.shuffle(digests)
-    raw_ones = [d for d in digests if len(pages[d]) == PAGE_NBYTES]
+    with env.begin(db=db) as txn:
+        where = {d: Location.unpack(txn.get(bytes(d))) for d in digests}
     damaged: dict = {}
-    with env.begin(write=True, db=db) as txn:
-        def value(d):
-            return bytearray(txn.get(bytes(d)))
-        # swaps first, among raw pages of equal length: the hardest case
-        swap = [d for d in raw_ones if txn.get(bytes(d))[4] == 0][: PER_KIND]
-        for a, b in zip(swap[0::2], swap[1::2], strict=True):
-            va, vb = bytes(value(a)), bytes(value(b))
-            txn.put(bytes(a), vb)
-            txn.put(bytes(b), va)
-            damaged[a] = damaged[b] = "swapped"
-        rest = [d for d in digests if d not in damaged]
-        for i, d in enumerate(rest[: 3 * PER_KIND]):
-            v = value(d)
-            kind = ("bit_flip", "truncated", "zeroed_4k")[i % 3]
+    files: dict = {}
+
+    def segment(loc):
+        if loc.segment not in files:
+            files[loc.segment] = open(Path(store_dir) / "segments" / f"{loc.segment:08x}.seg", "r+b")
+        return files[loc.segment]
+
+    def read(loc, n=None):
+        f = segment(loc)
+        f.seek(loc.offset)
+        return bytearray(f.read(loc.length if n is None else n))
+
+    def write(loc, data):
+        f = segment(loc)
+        f.seek(loc.offset)
+        f.write(bytes(data))
+
+    # swaps first, among raw pages of equal length: the hardest case (each record's
+    # bytes moved under the other's location: self-consistent records, wrong name)
+    raw_ones = [d for d in digests if len(pages[d]) == PAGE_NBYTES and where[d].flags == 0]
+    swap = raw_ones[: PER_KIND]
+    for a, b in zip(swap[0::2], swap[1::2], strict=True):
+        ra, rb = read(where[a]), read(where[b])
+        write(where[a], rb)
+        write(where[b], ra)
+        damaged[a] = damaged[b] = "swapped"
+    rest = [d for d in digests if d not in damaged]
+    truncated = {}
+    for i, d in enumerate(rest[: 3 * PER_KIND]):
+        loc = where[d]
+        kind = ("bit_flip", "truncated", "zeroed_4k")[i % 3]
+        if kind == "bit_flip":  # anywhere in the record: its header or its page
+            v = read(loc)
+            bit = rng.randrange(8 * len(v))
+            v[bit // 8] ^= 1 << (bit % 8)
+            write(loc, v)
+        elif kind == "truncated":  # the index names one byte less than the record holds
+            truncated[d] = Location(loc.segment, loc.offset, loc.length - 1, loc.flags)
+        else:  # a zeroed 4 KiB run that overlaps the record
+            v = read(loc, loc.span_nbytes)
             before = bytes(v)
-            if kind == "bit_flip":
-                bit = rng.randrange(8 * len(v))
-                v[bit // 8] ^= 1 << (bit % 8)
-            elif kind == "truncated":
-                v = v[:-1]
-            else:
-                start = rng.randrange(max(1, len(v) - 4096))
-                v[start : start + 4096] = bytes(len(v[start : start + 4096]))
-                if bytes(v) == before:  # the run was zero already: zero the header instead
-                    v[0:4096] = bytes(min(4096, len(v)))
-            assert bytes(v) != before
-            txn.put(bytes(d), bytes(v))
-            damaged[d] = kind
+            start = rng.randrange(max(1, loc.length - 4096))
+            v[start : start + 4096] = bytes(len(v[start : start + 4096]))
+            if bytes(v[: loc.length]) == before[: loc.length]:  # zero already: the header
+                v[0:4096] = bytes(4096)
+            write(loc, v)
+        damaged[d] = kind
+    for f in files.values():
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+    with env.begin(write=True, db=db) as txn:
+        for d, loc in truncated.items():
+            txn.put(bytes(d), loc.pack())
     env.close()
     assert len(damaged) == 4 * PER_KIND
     return damaged

@@ -22,7 +22,7 @@ from kvstore.errors import IntegrityError
 from kvstore.ids import page_digest
 from kvstore.pagestream import DeferredPage, open_streamed_pages
 from kvstore.wire import frame_head, stream_end, stream_header
-from tests.kvstore.factories import make_store, stored_value
+from tests.kvstore.factories import flip_bit, make_store, stored_value
 
 PAGE_NBYTES = 32 << 20
 COPIES = 8  # 256 MiB decoded from about 8 KB stored
@@ -96,11 +96,9 @@ def test_streamed_pages_are_verified_before_anything_is_yielded(tmp_path):
             assert [b"".join(p.pieces()) for p in pages] == [zeros, other]
         # a damaged page: refused before anything is yielded, by the store's own read
         # (which quarantines the page)
-        value = bytearray(stored_value(store, do))
-
-        def damage(txn, dbs):
-            txn.put(bytes(do), bytes(value[:-1]) + bytes([value[-1] ^ 1]), db=dbs["pages"])
-        store.lmdb.write(damage, what="damaging a page")
+        # (the last byte's low bit, inside its segment record)
+        value = stored_value(store, do)
+        flip_bit(store.path, value, 8 * (len(value) - 1))
         with pytest.raises(IntegrityError):
             with open_streamed_pages(store, [dz, do]):
                 raise AssertionError("yielded a damaged page")

@@ -9,7 +9,7 @@ import pytest
 import typer
 
 from kvstore.store import Store
-from tests.kvstore.factories import flip_bit, stored_value
+from tests.kvstore.factories import flip_bit, stored_places, stored_value
 from tests.tools.helpers import IDENTITY, build_store, run
 from tools.commands import COMMANDS
 from tools.commands.common import (
@@ -150,10 +150,9 @@ def test_check_exit_code_follows_problems(tmp_path):
     path = tmp_path / "store"
     saved = build_store(path)
     assert run("check", "--read-data", "-d", path).code == EXIT_OK
-    blob = (path / "data.mdb").read_bytes()
-    with Store(path) as store:  # a page whose value occurs once in the file (no stale copy)
+    with Store(path) as store:  # a page whose value is stored once (no stale copy)
         candidates = [(d, stored_value(store, d)) for r in saved["loose"].records for d in r.pages]
-    victim, value = next((d, v) for d, v in candidates if blob.count(v) == 1)
+    victim, value = next((d, v) for d, v in candidates if len(stored_places(path, v)) == 1)
     flip_bit(path, value, 48 * 8 + 100)  # one bit of the page body
     ran = run("check", "--read-data", "--json", "-d", path)
     assert ran.code == EXIT_PROBLEMS
