@@ -132,12 +132,17 @@ def host_readable(x: mx.array) -> np.ndarray:
 class PageCopies:
     """The copies of one restore or capture: added while targets are laid out, run once.
 
-    A copy's source must stay valid until run() returns (the store's views are valid
-    inside its get_pages block; pool host views until the pool's next MLX write)."""
+    A copy's source must stay valid until run() (or wait()) returns (the store's views
+    are valid inside its get_pages block; pool host views until the pool's next MLX
+    write). start() hands the copies added so far to the copy threads at once, so they
+    overlap the layout of the next targets (a restore into KVCache layout: one layer's
+    copies while MLX allocates and fills the next layer's arrays)."""
 
     def __init__(self):
-        self._pairs: list[tuple[np.ndarray, np.ndarray]] = []  # (target, source)
-        self.nbytes = 0
+        self._pairs: list[tuple[np.ndarray, np.ndarray]] = []  # (target, source), not started
+        self._started: list = []  # futures of the copies start() handed out
+        self._count = 0
+        self.nbytes = 0  # of the copies not started
 
     def add(self, page, regions: tuple[Region, ...], targets: dict[str, np.ndarray]) -> None:
         """Copy page's planes into targets (see copy_page)."""
@@ -148,29 +153,55 @@ class PageCopies:
         for target, source in pairs:
             assert target.shape == source.shape, (target.shape, source.shape)
             self._pairs.append((target, source))
+            self._count += 1
             self.nbytes += source.nbytes
 
     def __len__(self) -> int:
-        return len(self._pairs)
+        """Copies added since the last run(), started or not."""
+        return self._count
+
+    def start(self, workers: int = DEFAULT_WORKERS) -> None:
+        """Hand the copies added so far to the copy threads without waiting for them
+        (run() and wait() do). Below MIN_THREADED_NBYTES it leaves them to run()."""
+        if min(workers, DEFAULT_WORKERS) <= 1 or self.nbytes < MIN_THREADED_NBYTES:
+            return
+        pairs, self._pairs, self.nbytes = self._pairs, [], 0
+        self._started += _submit_copies(pairs, workers)
 
     def run(self, workers: int = DEFAULT_WORKERS) -> None:
-        """Every copy, on up to `workers` threads (inline below MIN_THREADED_NBYTES)."""
+        """Every copy, on up to `workers` threads (inline below MIN_THREADED_NBYTES),
+        and those start() handed out: all done when it returns."""
         pairs, self._pairs, nbytes, self.nbytes = self._pairs, [], self.nbytes, 0
-        run_copies(pairs, nbytes, workers)
+        try:
+            run_copies(pairs, nbytes, workers)
+        finally:
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the copies start() handed out (the first error is raised)."""
+        started, self._started = self._started, []
+        self._count = len(self._pairs)
+        errors = [f.exception() for f in started]
+        failed = next((e for e in errors if e is not None), None)
+        if failed is not None:
+            raise failed
 
 
 def run_copies(pairs: list[tuple], nbytes: int, workers: int = DEFAULT_WORKERS) -> None:
     """(target, source) copies on up to `workers` threads of the process's copy pool
     (contiguous runs per thread: neighbouring copies share target rows); inline below
     MIN_THREADED_NBYTES, where a thread hop costs more than the copy."""
-    workers = min(workers, DEFAULT_WORKERS)
-    if workers <= 1 or nbytes < MIN_THREADED_NBYTES or len(pairs) < 2:
+    if min(workers, DEFAULT_WORKERS) <= 1 or nbytes < MIN_THREADED_NBYTES or len(pairs) < 2:
         _copy_all(pairs)
         return
-    step = -(-len(pairs) // workers)
-    futures = [_copy_pool().submit(_copy_all, pairs[i : i + step]) for i in range(0, len(pairs), step)]
-    for future in futures:
+    for future in _submit_copies(pairs, workers):
         future.result()
+
+
+def _submit_copies(pairs: list[tuple], workers: int) -> list:
+    workers = max(1, min(workers, DEFAULT_WORKERS))
+    step = -(-len(pairs) // workers)
+    return [_copy_pool().submit(_copy_all, pairs[i : i + step]) for i in range(0, len(pairs), step)]
 
 
 @functools.lru_cache(maxsize=1)

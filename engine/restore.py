@@ -517,12 +517,16 @@ def _build(engine_model: EngineModel, store: PageReader, plan: _Plan,
     copies = PageCopies()
     with _pages(store, digests + [ckpt.attachments[n] for n in attachment_names]) as views:
         nbytes = sum(len(v) for v in views)
-        for j, layer in enumerate(paged):  # pages of block i, layer j: views[i * L + j]
-            pages = [views[i * len(paged) + j] for i in range(len(fetched))]
-            caches[layer] = _layer_cache(engine_model, plan, layer, pages,
-                                         _Targets(adopted, grant, copies))
-        copies.run()  # every page once, into the pools or the caches' arrays
-        for name, view in zip(attachment_names, views[len(digests):]):
+        try:
+            for j, layer in enumerate(paged):  # pages of block i, layer j: views[i * L + j]
+                pages = [views[i * len(paged) + j] for i in range(len(fetched))]
+                caches[layer] = _layer_cache(engine_model, plan, layer, pages,
+                                             _Targets(adopted, grant, copies))
+                copies.start()  # this layer's copies overlap the next layer's allocation
+            copies.run()  # every page once, into the pools or the caches' arrays
+        finally:
+            copies.wait()  # no copy still reads a view once the with-block ends
+        for name, view in zip(attachment_names, views[len(digests):], strict=True):
             index = int(name.split(".", 1)[1])
             caches[index] = _attachment_cache(ckpt, index, view)
             mx.eval(caches[index].state)  # decoded from the view: done before it closes

@@ -251,3 +251,24 @@ def test_device_staging_is_rewritten_only_after_its_readers_ran():
     assert again is array
     host2[:] = 9
     assert np.array(copied).tolist() == [5] * 64
+
+
+def test_started_copies_are_done_when_run_returns_and_their_errors_raise_there(monkeypatch):
+    monkeypatch.setattr("engine.pagecopy.MIN_THREADED_NBYTES", 0)
+    rng = np.random.default_rng(7)
+    sources = [rng.integers(0, 256, 4096, dtype=np.uint8) for _ in range(6)]
+    targets = [np.zeros(4096, dtype=np.uint8) for _ in sources]
+    copies = PageCopies()
+    copies.add_pairs(zip(targets[:4], sources[:4], strict=True))
+    copies.start(workers=2)  # handed to the copy threads; the caller goes on
+    copies.add_pairs(zip(targets[4:], sources[4:], strict=True))
+    assert len(copies) == 6
+    copies.run(workers=2)
+    assert len(copies) == 0
+    assert all(np.array_equal(t, s) for t, s in zip(targets, sources, strict=True))
+    read_only = np.zeros(4096, dtype=np.uint8)
+    read_only.flags.writeable = False
+    copies.add_pairs([(read_only, sources[0]), (targets[0], sources[1])])
+    copies.start(workers=2)
+    with pytest.raises(ValueError):
+        copies.run(workers=2)
