@@ -60,6 +60,7 @@ import blake3
 from mlx_lm.models.cache import KVCache
 
 from engine.attachments import token_offset
+from engine.attention import GATHERED
 from engine.engine_model import EngineModel
 from engine.geometry import leaf_caches
 from engine.policy import KVPolicy
@@ -298,8 +299,12 @@ class StoreTier:
         self.settings = settings
         self.metrics = metrics
         self.namespace = settings.namespace or fingerprint.default_namespace
+        # attention_impl GATHERED: the tier restores into mlx-lm's own caches, never into
+        # paged ones, so the paged-attention load check (a run of the model, about a
+        # second at start-up, before the first request can be served) is not needed
         self.engine_model = EngineModel(model, fingerprint.model_id, policy=settings.policy,
-                                        tokenizer_fingerprint=fingerprint.tokenizer_fingerprint)
+                                        tokenizer_fingerprint=fingerprint.tokenizer_fingerprint,
+                                        attention_impl=GATHERED)
         self.identity = self.engine_model.identity
         check_target(self.identity, "kvcache")  # native pages only: IncompatibleFormat
         # a model with sliding (non-paged) layers publishes and restores checkpoints

@@ -28,6 +28,7 @@ SUITE_TITLES = {
     "engine": "Engine: paged caches per page format vs mlx-lm KVCache / QuantizedKVCache (bytes per token)",
     "attention": "Decode attention per implementation and page format (error per format)",
     "dedup": "Dedup: checkpoints sharing a system prompt, content addressing vs one file each",
+    "server": "serve-model vs stock mlx_lm.server: TTFT after a restart, throughput uncached",
 }
 PLOTS = ("restore_vs_prompt.png", "dedup_stored_bytes.png", "attention_vs_context.png")
 KV_HEADS = 8  # the attention suite's geometry: 8 KV heads of 128

@@ -1,6 +1,7 @@
 """serve-model against stock mlx_lm.server: TTFT after a restart, and throughput uncached.
 
 Usage:
+  kvstore bench --suite server [--quick]    # as part of `make bench` (tools/commands/bench.py)
   python -m tools.bench.server              # CPU-scaled model, 2K and 8K system prompts
   python -m tools.bench.server --quick      # 2K only, smaller model (about a minute)
   python -m tools.bench.server --size 8b    # Llama-3-8B geometry (for a GPU machine)
@@ -15,14 +16,19 @@ weights, a trained BPE tokenizer, a chat template), in one run:
                       started mlx_lm.server recomputes the prompt (its prompt cache died
                       with the last process). serve-model: a freshly started server whose
                       store a previous run filled (a request with the same system prompt
-                      and another user turn, then SIGINT, which drains the uploads);
+                      and another user turn, then SIGINT, which drains the uploads; filled
+                      once per prompt length, each repeat restarts on a copy of it);
                       the system prompt is restored, the turn computed. Median of
                       --repeats fresh starts each; the ratio is stock / serve-model.
   throughput          --clients concurrent clients, each a distinct ~256-token prompt
                       (nothing cached anywhere), --max-tokens each; completion tokens /
-                      wall time, in rounds alternating between a stock server and a
-                      serve-model server running side by side. serve-model runs with an
-                      empty store, so it pays for lookups and publication and never hits.
+                      wall time, in --rounds rounds alternating (ABBA) between a stock
+                      server and a serve-model server running side by side, after one
+                      unmeasured round each. serve-model runs with an empty store, so it
+                      pays for lookups and publication and never hits. Also each server
+                      process's CPU seconds per completion token over all rounds
+                      (/proc/PID/stat): on a shared, loaded machine the rates swing by
+                      tens of percent from round to round, the CPU cost far less.
 
 Sizes: "cpu" keeps an 8B's per-layer KV geometry (8 KV heads of 128) with 2 layers and
 hidden 1024 (about 19M parameters): MLX's CPU matmul runs at a few GFLOP/s on this
@@ -35,6 +41,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import tempfile
 import threading
@@ -73,10 +81,13 @@ def _tokens_per_word(model_dir: Path) -> float:
 
 
 def ttft(server, msgs, max_tokens: int = 8) -> tuple[float, int, int]:
-    """(seconds to the first content chunk, prompt tokens, cached tokens)."""
+    """(seconds to the first content chunk, prompt tokens, cached tokens). The client is
+    built before the clock starts (its SSL context and connection pool cost 20-60 ms
+    here, the same for either server)."""
+    client = _client(server)
     start = time.perf_counter()
     first, usage = None, None
-    stream = _client(server).chat.completions.create(
+    stream = client.chat.completions.create(
         model="default_model", messages=msgs, temperature=0, max_tokens=max_tokens,
         stream=True, stream_options={"include_usage": True})
     for chunk in stream:
@@ -89,13 +100,30 @@ def ttft(server, msgs, max_tokens: int = 8) -> tuple[float, int, int]:
     return first, usage.prompt_tokens, cached or 0
 
 
-def throughput(server, clients: int, system_words: int, max_tokens: int, round_: int) -> float:
-    """Completion tokens per second of `clients` concurrent distinct requests (distinct
-    in every round too, so nothing is ever cached)."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used (Linux /proc; 0.0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def load_average() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def throughput(server, clients: int, system_words: int, max_tokens: int, round_: int) -> tuple[float, int]:
+    """(completion tokens per second, completion tokens) of `clients` concurrent
+    distinct requests (distinct in every round too, so nothing is ever cached)."""
     done = [0] * clients
+    openai_clients = [_client(server) for _ in range(clients)]
 
     def one(i):
-        r = _client(server).chat.completions.create(
+        r = openai_clients[i].chat.completions.create(
             model="default_model",
             messages=_messages(system_words, f"client {i}", seed=1000 * round_ + 100 + i),
             temperature=0, max_tokens=max_tokens)
@@ -107,12 +135,14 @@ def throughput(server, clients: int, system_words: int, max_tokens: int, round_:
         t.start()
     for t in threads:
         t.join()
-    return sum(done) / (time.perf_counter() - start)
+    return sum(done) / (time.perf_counter() - start), sum(done)
 
 
 def run(size: str, contexts: list[int], repeats: int, clients: int, max_tokens: int,
-        work: Path) -> dict:
+        work: Path, rounds: int) -> dict:
     from tools.bench.server_process import serve_model, server_env, stock_server
+
+    load_start = load_average()
 
     (work / "hf" / "hub").mkdir(parents=True)
     env = server_env(work / "hf")
@@ -126,13 +156,15 @@ def run(size: str, contexts: list[int], repeats: int, clients: int, max_tokens: 
         words = int(context / per_word)
         warm, turn = _messages(words, "first question"), _messages(words, "second question")
         stock_s, served_s, prompt, cached = [], [], 0, 0
+        filled = work / f"store-{context}-filled"
+        with serve_model(model, env, logs / "fill.log", "--store", str(filled)) as server:
+            ttft(server, warm)  # publishes the system prompt; SIGINT drains it
         for _ in range(repeats):
             with stock_server(model, env, logs / "stock.log") as server:
                 seconds, prompt, _ = ttft(server, turn)
             stock_s.append(seconds)
             fresh = work / f"store-{context}-{len(served_s)}"
-            with serve_model(model, env, logs / "fill.log", "--store", str(fresh)) as server:
-                ttft(server, warm)  # publishes the system prompt; SIGINT drains it
+            shutil.copytree(filled, fresh)  # each restart finds the store the fill left
             with serve_model(model, env, logs / "served.log", "--store", str(fresh)) as server:
                 seconds, prompt, cached = ttft(server, turn)
             served_s.append(seconds)
@@ -141,20 +173,54 @@ def run(size: str, contexts: list[int], repeats: int, clients: int, max_tokens: 
                      "serve_model_ttft_s": statistics.median(served_s),
                      "speedup": statistics.median(stock_s) / statistics.median(served_s)})
     words = int(256 / per_word)
-    stock_tps, served_tps = [], []
+    tps = {"stock": [], "served": []}
+    cpu = {"stock": 0.0, "served": 0.0}
+    tokens = {"stock": 0, "served": 0}
     with stock_server(model, env, logs / "stock-tput.log") as stock, \
             serve_model(model, env, logs / "served-tput.log", "--store",
                         str(work / "store-tput")) as served:
-        for round_ in range(max(3, repeats)):  # interleaved: both see the same machine load
-            stock_tps.append(throughput(stock, clients, words, max_tokens, 2 * round_))
-            served_tps.append(throughput(served, clients, words, max_tokens, 2 * round_ + 1))
-    ratios = [b / a for a, b in zip(stock_tps, served_tps, strict=True)]
+        arms = {"stock": stock, "served": served}
+        for name, server in arms.items():  # first-request costs out of the rounds
+            throughput(server, clients, words, max_tokens, 10_000 + len(tps[name]) + (name == "served"))
+        for round_ in range(rounds):  # interleaved, ABBA: both see the same machine load
+            order = ("stock", "served") if round_ % 2 == 0 else ("served", "stock")
+            for name in order:
+                before = cpu_seconds(arms[name].proc.pid)
+                rate, n = throughput(arms[name], clients, words, max_tokens,
+                                     2 * round_ + (name == "served"))
+                cpu[name] += cpu_seconds(arms[name].proc.pid) - before
+                tps[name].append(rate)
+                tokens[name] += n
+        # what the write-behind thread still had to upload belongs to the served arm
+        served_cpu_tail = _settle_cpu(served)
+        cpu["served"] += served_cpu_tail
+    ratios = [b / a for a, b in zip(tps["stock"], tps["served"], strict=True)]
+    cpu_per_token = {k: cpu[k] / tokens[k] if tokens[k] else float("nan") for k in cpu}
     return {"size": size, "model": SIZES[size], "repeats": repeats, "ttft": rows,
+            "load_average": {"start": load_start, "end": load_average()},
             "throughput": {"clients": clients, "prompt_tokens": 256, "max_tokens": max_tokens,
                            "rounds": len(ratios),
-                           "stock_tokens_per_s": statistics.median(stock_tps),
-                           "serve_model_tokens_per_s": statistics.median(served_tps),
-                           "ratio": statistics.median(ratios)}}
+                           "stock_tokens_per_s": statistics.median(tps["stock"]),
+                           "serve_model_tokens_per_s": statistics.median(tps["served"]),
+                           "ratio": statistics.median(ratios),
+                           "ratios": [round(r, 3) for r in ratios],
+                           "stock_cpu_ms_per_token": 1e3 * cpu_per_token["stock"],
+                           "serve_model_cpu_ms_per_token": 1e3 * cpu_per_token["served"],
+                           "cpu_ratio": cpu_per_token["served"] / cpu_per_token["stock"]}}
+
+
+def _settle_cpu(server, quiet_s: float = 1.0, timeout_s: float = 60.0) -> float:
+    """CPU seconds the server uses until it is idle (its uploads done): sampled until a
+    quiet_s interval costs under 2% of a core."""
+    start = last = cpu_seconds(server.proc.pid)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = cpu_seconds(server.proc.pid)
+        if now - last < 0.02 * quiet_s:
+            break
+        last = now
+    return last - start
 
 
 def main(argv=None) -> int:
@@ -165,13 +231,16 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="interleaved throughput rounds [default: 6, --quick 4]")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     size = args.size or ("quick" if args.quick else "cpu")
     contexts = [int(c) for c in (args.contexts or ("2048" if args.quick else "2048,8192")).split(",")]
     repeats = args.repeats or (1 if args.quick else 3)
     with tempfile.TemporaryDirectory(prefix="bench-server-") as work:
-        result = run(size, contexts, repeats, args.clients, args.max_tokens, Path(work))
+        result = run(size, contexts, repeats, args.clients, args.max_tokens, Path(work),
+                     args.rounds or (4 if args.quick else 6))
     print(render(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
@@ -191,10 +260,17 @@ def render(result: dict) -> str:
     t = result["throughput"]
     lines += ["", f"Throughput, {t['clients']} concurrent clients, distinct ~{t['prompt_tokens']}-token "
               f"prompts, {t['max_tokens']} tokens each, nothing cached; medians of "
-              f"{t['rounds']} interleaved rounds (the ratio is the median of per-round ratios):", "",
-              "| stock | serve-model (empty store) | serve-model / stock |", "|---:|---:|---:|",
+              f"{t['rounds']} interleaved rounds (ABBA; the ratio is the median of per-round "
+              f"ratios {t['ratios']}); CPU per completion token is each server process's "
+              "user + system time over all rounds (serve-model's includes its uploads "
+              "until idle), a figure the machine's load moves far less than the rates:", "",
+              "| stock | serve-model (empty store) | serve-model / stock | stock CPU | "
+              "serve-model CPU | CPU ratio |", "|---:|---:|---:|---:|---:|---:|",
               f"| {t['stock_tokens_per_s']:.1f} tok/s | {t['serve_model_tokens_per_s']:.1f} tok/s "
-              f"| {t['ratio']:.3f} |", ""]
+              f"| {t['ratio']:.3f} | {t['stock_cpu_ms_per_token']:.0f} ms/tok "
+              f"| {t['serve_model_cpu_ms_per_token']:.0f} ms/tok | {t['cpu_ratio']:.3f} |", "",
+              f"Load average (1, 5, 15 min) at start {result['load_average']['start']}, "
+              f"at end {result['load_average']['end']} (2 cores here).", ""]
     return "\n".join(lines)
 
 

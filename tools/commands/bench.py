@@ -30,7 +30,7 @@ from tools.commands.common import (
     stdout,
 )
 
-SUITES = ("store", "http", "ttft", "engine", "attention", "dedup")
+SUITES = ("store", "http", "ttft", "engine", "attention", "dedup", "server")
 PLOT_SUITES = ("ttft", "attention", "dedup")  # get --json OUT/<suite>.json for the report's plots
 SUITE_PACKAGE = "tools.bench"  # each suite is SUITE_PACKAGE.<suite>, run with -m
 SuiteOption = typer.Option(None, "--suite", "-s", help=f"run only these ({', '.join(SUITES)}); repeatable")
@@ -65,7 +65,7 @@ def bench(
 ) -> None:
     """Run the benchmark suites; write each one's tables to OUT/<suite>.md, then OUT/report.md and the PNG plots.
 
-    Suites: store (save and restore), http (HTTP vs fast path vs embedded), ttft (restore vs recompute vs mlx-lm files), engine (bytes per token per page format), attention (decode time and error per format), dedup (checkpoints sharing a system prompt). Each runs in its own process; a suite that fails is reported (its stderr kept in OUT/<suite>.stderr.txt) and the exit code is 1.
+    Suites: store (save and restore), http (HTTP vs fast path vs embedded), ttft (restore vs recompute vs mlx-lm files), engine (bytes per token per page format), attention (decode time and error per format), dedup (checkpoints sharing a system prompt), server (serve-model vs stock mlx_lm.server: TTFT after a restart, throughput uncached). Each runs in its own process; a suite that fails is reported (its stderr kept in OUT/<suite>.stderr.txt) and the exit code is 1.
 
     Full sizes are scaled for a 2-core CPU, where the whole run takes about 40 minutes (--quick: under 3); each suite's --help says what it scaled down and the command for a bigger machine, e.g. --suite-args "ttft=--size 1b --formats native k8v8 k8v4 k4v4".
 
