@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from fractions import Fraction
+from functools import cached_property
 
 import mlx.core as mx
 import numpy as np
@@ -40,9 +41,10 @@ import numpy as np
 from engine.errors import FormatMismatch, UnknownPageFormat, UnpagedFormat, UnsupportedModel
 from engine.geometry import LayerGeometry, layer_geometry, model_fingerprint
 from engine.pagecopy import direct_writes, gather_pages, host_readable
-from kernels.hadamard import is_power_of_two, rotate, unrotate
+from kernels.hadamard import is_power_of_two, unrotate
 from kernels.layout import PageLayout
-from kernels.quant import dequantize, quantize
+from kernels.quant import dequantize
+from kernels.quantize import encode as encode_packed
 from kvstore.format import MLX_AFFINE_FORMATS, FormatIdentity, LayerSpec
 
 ROTATION_SCHEME = "signed-hadamard"
@@ -167,9 +169,10 @@ class PageSpec:
             if dim % self.group_size:
                 raise FormatMismatch(f"head dim {dim} is not a multiple of group size {self.group_size}")
 
-    @property
+    @cached_property
     def layout(self) -> PageLayout:
-        """The kernels' layout of these pages (UnpagedFormat for mlx-qB pages)."""
+        """The kernels' layout of these pages (UnpagedFormat for mlx-qB pages). Cached: the
+        decode path reads it several times per layer and step (a frozen spec never changes)."""
         require_paged(self.format)
         if not self.format.packed:
             return PageLayout()
@@ -307,20 +310,19 @@ def page_specs(identity: FormatIdentity) -> list[PageSpec | None]:
 
 # -- codecs ---------------------------------------------------------------------------
 def encode_tokens(spec: PageSpec, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
-    """keys [H, L, Dk], values [H, L, Dv] -> plane name -> [H, L, width].
+    """keys [H, L, Dk], values [H, L, Dv] -> plane name -> [H, L, width]; or [1, H, L, D]
+    -> [1, H, L, width] (the cache's decode path: no squeeze of the batch axis, which MLX
+    0.32 builds as a gather and a squeeze per array).
 
     The only place values are quantized. Packed keys are rotated first when the spec
-    has a rotation seed (float32 math).
+    has a rotation seed (float32 math). Cost per decode step and layer: one compiled
+    graph (CPU) or a matmul and one kernel launch (CUDA) instead of ~40 small ops.
     """
     if spec.format.native:
         return {"k": keys, "v": values}
-    layout = spec.layout
-    if layout.rotated_keys:
-        keys = rotate(keys, layout.rotation_seed)
-    k_codes, k_scales, k_offsets = quantize(keys, layout.k_bits, layout.group_size)
-    v_codes, v_scales, v_offsets = quantize(values, layout.v_bits, layout.group_size)
-    return {"k_codes": k_codes, "k_scales": k_scales, "k_offsets": k_offsets,
-            "v_codes": v_codes, "v_scales": v_scales, "v_offsets": v_offsets}
+    # kernels/quantize.py: one fused launch per write on CUDA, mx.compile elsewhere; both
+    # bit-identical to kernels/quant.py's quantize (tests/kernels/test_quantize.py)
+    return encode_packed(keys, values, spec.layout)
 
 
 def decode_tokens(spec: PageSpec, planes: dict[str, mx.array], dtype: mx.Dtype):
