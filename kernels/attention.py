@@ -7,10 +7,13 @@ Implementations (see docs/kernels.md):
   "metal"        mx.fast.metal_kernel, the same algorithm as "cuda"
   "dequantized"  prefill: the history gathered and dequantized once per call into the model
                  dtype, one mx.fast.scaled_dot_product_attention (kernels/prefill.py)
+  "quantized"    packed pages scored and weighted by mx.quantized_matmul over partitions,
+                 the same merge as "partitioned" (kernels/quantized_attention.py; CPU default)
 
 Dispatch (impl=None): $KVSTORE_ATTENTION_IMPL if set, else "cuda" when the default device
-is a CUDA GPU, "metal" on a Metal GPU, "partitioned" otherwise. Then, whatever was chosen:
-array masks go to "reference"; more than KERNEL_MAX_QUERIES queries go from "cuda"/"metal"
+is a CUDA GPU, "metal" on a Metal GPU, "quantized" otherwise. Then, whatever was chosen:
+array masks go to "reference"; "quantized" goes to "partitioned" for native pages and group
+sizes mx.quantized_matmul does not take; more than KERNEL_MAX_QUERIES queries go from "cuda"/"metal"
 to "dequantized" (prefill chunks on a GPU; "partitioned" where it does not serve: batches,
 windows), a shape the kernels do not serve to "partitioned"; on CUDA, packed pages with
 fp16/bf16 queries take the tensor-core split kernel. Forcing a kernel whose backend is
@@ -25,7 +28,7 @@ import os
 
 import mlx.core as mx
 
-from kernels import cuda, metal, prefill
+from kernels import cuda, metal, prefill, quantized_attention
 from kernels.call import PagedAttentionCall
 from kernels.direct import (
     ROWS_PER_BLOCK,
@@ -40,7 +43,7 @@ from kernels.partitioned import partition_size, partitioned_attention
 from kernels.reference import reference_attention
 from kernels.tuning import DirectTuning, environment_tuning
 
-IMPLEMENTATIONS = ("reference", "partitioned", "cuda", "metal", "dequantized")
+IMPLEMENTATIONS = ("reference", "partitioned", "cuda", "metal", "dequantized", "quantized")
 IMPL_ENV = "KVSTORE_ATTENTION_IMPL"
 KERNEL_MAX_QUERIES = 8
 
@@ -70,7 +73,7 @@ def default_impl() -> str:
         return "cuda"
     if metal_available():
         return "metal"
-    return "partitioned"
+    return "quantized"
 
 
 def select_impl(
@@ -84,6 +87,8 @@ def select_impl(
         raise ValueError(f"impl {chosen!r} is not one of {IMPLEMENTATIONS}")
     if mask is not None and not isinstance(mask, str):
         return "reference"
+    if chosen == "quantized" and not quantized_attention.serves(layout):
+        return "partitioned"
     if chosen in ("cuda", "metal"):
         available = cuda_available() if chosen == "cuda" else metal_available()
         if not available:
@@ -137,6 +142,8 @@ def attend(call: PagedAttentionCall, *, impl: str | None = None, partition_token
         return reference_attention(call)
     if chosen == "partitioned":
         return partitioned_attention(call, partition_tokens=partition_tokens)
+    if chosen == "quantized":
+        return quantized_attention.quantized_attention(call, partition_tokens=partition_tokens)
     if chosen == "metal":
         return metal.launch(plan_launch(call, tuning))
     tensor_cores = call.layout.packed and mma_serves(
@@ -169,6 +176,8 @@ def workspace_nbytes(
     cuda/metal:  the split-K partials [Hq, L, splits, Dv + 2] float32 and the rotated queries
                  (splits as tuning plans them; None: environment_tuning()).
     dequantized: the whole history in the model dtype (kernels/prefill.py's estimate).
+    quantized:   one partition's gathered pages and score-sized temporaries
+                 (kernels/quantized_attention.py's estimate; unserved layouts: partitioned).
     """
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl {impl!r} is not one of {IMPLEMENTATIONS}")
@@ -208,6 +217,10 @@ def workspace_nbytes(
     if impl == "reference":
         return queries_f32 + expansion(context_len)
     window_tokens = min(context_len, partition_size(partition_tokens, block_size))
+    if impl == "quantized" and quantized_attention.serves(layout):
+        return quantized_attention.workspace_nbytes(
+            n_q_heads, n_kv_heads, num_queries, k_head_dim, v_head_dim, context_len, block_size,
+            layout, partition_tokens, gpu=mx.default_device() == mx.gpu)
     if mx.default_device() == mx.gpu:
         # A GPU backend hands a temporary's memory back only once the kernels that read it
         # have run, so within one evaluation the partitions' temporaries can all be alive

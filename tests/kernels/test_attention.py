@@ -288,7 +288,7 @@ def test_array_mask_falls_back_to_reference():
 def test_dispatch(monkeypatch):
     layout = PageLayout(4, 4)
     monkeypatch.delenv(IMPL_ENV, raising=False)
-    expected_default = "cuda" if cuda_available() else "metal" if metal_available() else "partitioned"
+    expected_default = "cuda" if cuda_available() else "metal" if metal_available() else "quantized"
     assert select_impl(None, 1, None, layout, 128, 128) == expected_default
     monkeypatch.setenv(IMPL_ENV, "reference")
     assert select_impl(None, 1, None, layout, 128, 128) == "reference"
