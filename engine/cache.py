@@ -81,6 +81,7 @@ class PagedKVCache:
         # (kernels/prefill.py) and takes them, so a chunk's K/V live only from this layer's
         # update to its attention, as they would without the engine
         self._fresh: tuple[mx.array, mx.array, int] | None = None  # (keys, values, offset after)
+        self._checked: tuple | None = None  # the last input shapes and dtypes _check_input passed
         # A dropped cache gives its blocks back, like a dropped KVCache frees its arrays.
         self._finalizer = weakref.finalize(self, _release, pool, self._blocks)
 
@@ -91,7 +92,7 @@ class PagedKVCache:
         (NOT_FETCHED, NOT_FETCHED) while the router of every `routed_by` module attends."""
         self._check_input(keys, values)
         start, stop = self.offset, self.offset + keys.shape[2]
-        encoded = encode_tokens(self.spec, keys[0], values[0])
+        encoded = encode_tokens(self.spec, keys, values)  # planes [1, Hkv, L, width]
         self._make_writable(start, stop)
         self._write_encoded(encoded, start, stop)
         self.offset = stop
@@ -313,6 +314,13 @@ class PagedKVCache:
 
     # -- internals ----------------------------------------------------------------
     def _check_input(self, keys: mx.array, values: mx.array) -> None:
+        signature = (keys.shape, values.shape, keys.dtype, values.dtype)
+        if signature == self._checked:  # every decode step after the first: one comparison
+            return
+        self._check_signature(keys, values)
+        self._checked = signature
+
+    def _check_signature(self, keys: mx.array, values: mx.array) -> None:
         spec = self.spec
         if keys.ndim != 4 or keys.shape[0] != 1:
             raise UnsupportedBatch(f"PagedKVCache takes keys [1, Hkv, L, D], got {keys.shape}")
@@ -332,8 +340,11 @@ class PagedKVCache:
         call, so PoolExhausted leaves the table and every block as they were.
         """
         size = self.spec.block_size_tokens
-        needed = math.ceil(stop / size) - len(self._blocks)
         first = start // size
+        count = len(self._blocks)
+        if first == count - 1 and stop <= count * size and self.pool.refcount(self._blocks[first]) == 1:
+            return  # within the last block, owned: a decode step's common case
+        needed = math.ceil(stop / size) - count
         shared = [i for i in range(first, len(self._blocks)) if self.pool.refcount(self._blocks[i]) > 1]
         fresh = self.pool.allocate(max(needed, 0) + len(shared))
         for index, target in zip(shared, fresh[:len(shared)], strict=True):
@@ -346,27 +357,28 @@ class PagedKVCache:
             self._table = None
 
     def _write_encoded(self, encoded: dict[str, mx.array], start: int, stop: int) -> None:
-        """Write encoded planes [H, stop - start, width] into token slots [start, stop):
+        """Write encoded planes [1, H, stop - start, width] into token slots [start, stop):
         at most three writes per plane whatever the length (the partial first block, the
         whole blocks in one scatter, the partial last block), so a prefill chunk costs a
-        few graph nodes per layer rather than one per block."""
+        few graph nodes per layer rather than one per block. A decode step is one
+        SliceUpdate per plane: the planes as encoded, no slicing."""
         size = self.spec.block_size_tokens
         head = min(stop, -(-start // size) * size)  # the end of start's block
         if head > start:
-            part = {n: p[:, :head - start] for n, p in encoded.items()}
+            part = encoded if head == stop else {n: p[:, :, :head - start] for n, p in encoded.items()}
             self.pool.write(self._blocks[start // size], start % size, part)
         whole = (stop - head) // size
         if whole:
-            def blocked(plane):  # [H, whole * size, W] -> [whole, H, size, W]
-                heads, _, width = plane.shape
-                return plane[:, head - start:head - start + whole * size].reshape(
+            def blocked(plane):  # [1, H, whole * size, W] -> [whole, H, size, W]
+                _, heads, _, width = plane.shape
+                return plane[0, :, head - start:head - start + whole * size].reshape(
                     heads, whole, size, width).transpose(1, 0, 2, 3)
             first = head // size
             self.pool.write_blocks(self._blocks[first:first + whole],
                                    {n: blocked(p) for n, p in encoded.items()})
         tail = head + whole * size
         if stop > tail:
-            part = {n: p[:, tail - start:] for n, p in encoded.items()}
+            part = encoded if tail == start else {n: p[:, :, tail - start:] for n, p in encoded.items()}
             self.pool.write(self._blocks[tail // size], 0, part)
 
     def _write_planes(self, planes: dict[str, mx.array], tokens: int) -> None:

@@ -133,13 +133,20 @@ class BlockPool:
 
     # -- data ---------------------------------------------------------------------
     def write(self, block: int, start: int, planes: dict[str, mx.array]) -> None:
-        """Write planes [H, n, width] into token slots [start, start + n) of a block.
+        """Write planes [H, n, width] (or [1, H, n, width]) into token slots [start, start + n)
+        of a block.
 
         The caller owns the block alone (reference count 1): shared blocks are copied
         first (see copy_block), which is what keeps forks and snapshots unchanged.
+        A 4-d plane is one SliceUpdate node; a 3-d one also costs a Broadcast (MLX 0.32
+        expands the update for the integer block index): a decode step writes every layer.
         """
         assert self._refs[block] == 1, f"write into block {block} with {self._refs[block]} refs"
         for name, values in planes.items():
+            if values.ndim == 4:
+                stop = start + values.shape[2]
+                self.planes[name][block:block + 1, :, start:stop, :] = values
+                continue
             stop = start + values.shape[1]
             self.planes[name][block, :, start:stop, :] = values
 
