@@ -44,6 +44,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -139,7 +140,7 @@ def throughput(server, clients: int, system_words: int, max_tokens: int, round_:
 
 
 def run(size: str, contexts: list[int], repeats: int, clients: int, max_tokens: int,
-        work: Path, rounds: int) -> dict:
+        work: Path, rounds: int, model_dir: Path | None = None) -> dict:
     from tools.bench.server_process import serve_model, server_env, stock_server
 
     load_start = load_average()
@@ -147,7 +148,9 @@ def run(size: str, contexts: list[int], repeats: int, clients: int, max_tokens: 
     (work / "hf" / "hub").mkdir(parents=True)
     env = server_env(work / "hf")
     sizes = dict(SIZES[size])
-    model = build_model_dir(work / f"bench-{size}", vocab_size=sizes.pop("vocab_size"), **sizes)
+    model = model_dir or work / f"bench-{size}"
+    if not (model / "config.json").exists():  # an 8B-shaped build writes 16 GB: reuse it
+        build_model_dir(model, vocab_size=sizes.pop("vocab_size"), **sizes)
     logs = work / "logs"
     logs.mkdir()
     rows = []
@@ -163,11 +166,13 @@ def run(size: str, contexts: list[int], repeats: int, clients: int, max_tokens: 
             with stock_server(model, env, logs / "stock.log") as server:
                 seconds, prompt, _ = ttft(server, turn)
             stock_s.append(seconds)
+            _progress(f"{context}: stock TTFT {seconds:.3f} s")
             fresh = work / f"store-{context}-{len(served_s)}"
             shutil.copytree(filled, fresh)  # each restart finds the store the fill left
             with serve_model(model, env, logs / "served.log", "--store", str(fresh)) as server:
                 seconds, prompt, cached = ttft(server, turn)
             served_s.append(seconds)
+            _progress(f"{context}: serve-model TTFT {seconds:.3f} s, {cached} cached")
         rows.append({"context_tokens": prompt, "cached_tokens": cached,
                      "stock_ttft_s": statistics.median(stock_s),
                      "serve_model_ttft_s": statistics.median(served_s),
@@ -191,6 +196,7 @@ def run(size: str, contexts: list[int], repeats: int, clients: int, max_tokens: 
                 cpu[name] += cpu_seconds(arms[name].proc.pid) - before
                 tps[name].append(rate)
                 tokens[name] += n
+                _progress(f"throughput round {round_} {name}: {rate:.1f} tok/s")
         # what the write-behind thread still had to upload belongs to the served arm
         served_cpu_tail = _settle_cpu(served)
         cpu["served"] += served_cpu_tail
@@ -207,6 +213,12 @@ def run(size: str, contexts: list[int], repeats: int, clients: int, max_tokens: 
                            "stock_cpu_ms_per_token": 1e3 * cpu_per_token["stock"],
                            "serve_model_cpu_ms_per_token": 1e3 * cpu_per_token["served"],
                            "cpu_ratio": cpu_per_token["served"] / cpu_per_token["stock"]}}
+
+
+def _progress(line: str) -> None:
+    """One measurement as it is taken, on stderr (a run cut short still shows them)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {line} (load {load_average()})", file=sys.stderr,
+          flush=True)
 
 
 def _settle_cpu(server, quiet_s: float = 1.0, timeout_s: float = 60.0) -> float:
@@ -234,13 +246,16 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=None,
                         help="interleaved throughput rounds [default: 6, --quick 4]")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--model-dir", default=None, type=Path,
+                        help="build the model directory here and reuse it if it is there "
+                             "(it must have been built at the same --size)")
     args = parser.parse_args(argv)
     size = args.size or ("quick" if args.quick else "cpu")
     contexts = [int(c) for c in (args.contexts or ("2048" if args.quick else "2048,8192")).split(",")]
     repeats = args.repeats or (1 if args.quick else 3)
     with tempfile.TemporaryDirectory(prefix="bench-server-") as work:
         result = run(size, contexts, repeats, args.clients, args.max_tokens, Path(work),
-                     args.rounds or (4 if args.quick else 6))
+                     args.rounds or (4 if args.quick else 6), args.model_dir)
     print(render(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

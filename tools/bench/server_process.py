@@ -103,8 +103,11 @@ class ServerProcess:
 
 def server_env(hf_home: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    # the repository first, then whatever PYTHONPATH already named (packages installed
+    # with --target on a machine without a virtualenv, e.g. MLX on the GPU machine)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=str(REPO))
+               PYTHONPATH=path)
     return env
 
 
