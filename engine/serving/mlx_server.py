@@ -181,6 +181,9 @@ class _TierResolver:
         if not self._resolved:
             try:
                 self._tier = self._build()
+            except Exception:  # noqa: BLE001 - L2 is an optimisation: never fail a request for it
+                log.exception("the store tier (L2) could not start for %s; L1 serves as usual",
+                              self._provider.cli_args.model)
             finally:
                 self._resolved = True
                 self.resolved.set()

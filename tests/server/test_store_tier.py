@@ -363,3 +363,20 @@ def test_tail_key_is_keyed_with_the_namespace_chain_salt(loaded, caches, tmp_pat
         assert fresh.offer(TOKENS, caches, "system") == "skipped_known"
         tier.close(1)
         fresh.close(1)
+
+
+def test_a_tier_that_cannot_start_leaves_l1_serving(monkeypatch):
+    """A store tier whose build fails (on the generation thread, right after the model
+    loads) is logged and off: the load, and every request, go on from L1; handler
+    threads waiting for the tier are released."""
+    from types import SimpleNamespace
+
+    from engine.serving.mlx_server import _TierResolver
+
+    key = ("m", None, None)
+    provider = SimpleNamespace(cli_args=SimpleNamespace(model="m", adapter_path=None, draft_model=None),
+                               model_key=key, model=None)
+    resolver = _TierResolver(provider, None, ServingSettings(), ServingMetrics(), None)
+    monkeypatch.setattr(resolver, "_build", lambda: 1 / 0)
+    assert resolver(key) is None and resolver.resolved.is_set()
+    assert resolver.built(key) is None
