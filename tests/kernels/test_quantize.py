@@ -101,13 +101,18 @@ def test_lead_shape_drops_the_batch_axis(impl):
 def test_rotation_in_the_kernel_is_within_one_step(shape):
     """"cuda-rotate" (opt-in) rotates by a fast transform, not the reference's matmul:
     scales and offsets agree to float32 rounding of the rotated values (relative 1e-5 of
-    the group's range), codes to one step, the values unchanged."""
+    the group's range), codes to one step, the values unchanged. The reference runs on the
+    CPU stream: on the H200 (2026-12-02) the GPU's own float32 matmul put offsets further
+    than 1e-5 of the range from the transform's (3 rows failed), i.e. the matmul, not the
+    transform, is the coarser rotation there."""
     if not Q.cuda_available():
         pytest.skip("CUDA is not available here: the rotate-in-kernel variant runs on the H200")
     k_bits, v_bits, group, seed, heads, tokens, dk, dv, dtype = shape
     layout = PageLayout(k_bits, v_bits, group, seed)
     keys, values = _inputs(heads, tokens, dk, dv, dtype, seed=tokens + 1)
-    want = Q.encode(keys, values, layout, impl="reference")
+    with mx.stream(mx.cpu):
+        want = Q.encode(keys, values, layout, impl="reference")
+        mx.eval(want)
     got = Q.encode(keys, values, layout, impl="cuda-rotate")
     for name in ("v_codes", "v_scales", "v_offsets"):
         assert mx.array_equal(got[name], want[name]).item(), name

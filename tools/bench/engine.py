@@ -111,7 +111,7 @@ def prefill(model, cache, prompt: mx.array, step: int, chunk_s: list | None = No
     return logits[0, -1]
 
 
-def measure(model, factory, prompt: mx.array, decode: int, step: int) -> dict:
+def measure(model, factory, prompt: mx.array, decode: int, step: int, profile_steps: bool = False) -> dict:
     warm = factory()
     token = prefill(model, warm, prompt[:min(prompt.size, 2 * step)], step).argmax()
     for _ in range(2):
@@ -127,25 +127,53 @@ def measure(model, factory, prompt: mx.array, decode: int, step: int) -> dict:
     prefill_s = time.perf_counter() - start
     # Decode in segments of 4 tokens and keep the median rate: the machine may be shared,
     # and one preempted segment should not move the result.
-    rates, builds = [], []
+    rates, builds, evals = [], [], []
     for first in range(0, decode, DECODE_SEGMENT):
         count = min(DECODE_SEGMENT, decode - first)
         start = time.perf_counter()
         for _ in range(count):
             began = time.perf_counter()
             logits = model(token[None, None], cache=cache)
-            builds.append(time.perf_counter() - began)
+            built = time.perf_counter()
+            builds.append(built - began)
             token = logits[0, -1].argmax()
             mx.eval(token)
+            evals.append(time.perf_counter() - built)
         rates.append(count / (time.perf_counter() - start))
+    profile = build_profile(model, cache, token) if profile_steps else None
     overlapped = overlapped_rate(model, cache, token, decode)
-    tokens = prompt.size + 2 * decode + 1
+    tokens = prompt.size + 2 * decode + 1 + (PROFILE_STEPS if profile else 0)
     per_slot, held = zip(*(slot_nbytes(c) for c in cache), strict=True)
     return {"ttft_ms": prefill_s * 1e3, "prefill_tok_s": prompt.size / prefill_s,
             "decode_tok_s": statistics.median(rates), "decode_build_ms": statistics.median(builds) * 1e3,
+            "decode_eval_ms": statistics.median(evals) * 1e3,
             "decode_overlap_tok_s": overlapped,
             "kv_bytes_per_token": sum(per_slot), "kv_physical_bytes_per_token": sum(held) / tokens,
-            "chunk_ms": [round(t * 1e3, 2) for t in chunk_s]}
+            "chunk_ms": [round(t * 1e3, 2) for t in chunk_s],
+            **({"decode_build_profile": profile} if profile else {})}
+
+
+PROFILE_STEPS = 8
+
+
+def build_profile(model, cache, token: mx.array, rows: int = 14) -> list:
+    """cProfile of PROFILE_STEPS decode steps' graph building (each evaluated outside the
+    profile): the top functions by own time, as [function, own ms per step, calls per step]."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    for _ in range(PROFILE_STEPS):
+        profiler.enable()
+        logits = model(token[None, None], cache=cache)
+        profiler.disable()
+        token = logits[0, -1].argmax()
+        mx.eval(token)
+    stats = pstats.Stats(profiler).stats
+    top = sorted(stats.items(), key=lambda item: -item[1][2])[:rows]
+    return [[f"{path.rsplit('/', 2)[-1] if '/' in path else path}:{line}({name})",
+             round(own * 1e3 / PROFILE_STEPS, 4), round(calls / PROFILE_STEPS, 1)]
+            for (path, line, name), (_, calls, own, _, _) in top]
 
 
 def overlapped_rate(model, cache, token: mx.array, decode: int) -> float:
@@ -163,10 +191,10 @@ def overlapped_rate(model, cache, token: mx.array, decode: int) -> float:
     return decode / (time.perf_counter() - start)
 
 
-def safe_measure(model, factory, prompt: mx.array, decode: int, step: int) -> dict:
+def safe_measure(model, factory, prompt: mx.array, decode: int, step: int, profile_steps: bool = False) -> dict:
     """measure(), or {"error": ...} where the arm raises (the run goes on)."""
     try:
-        return measure(model, factory, prompt, decode, step)
+        return measure(model, factory, prompt, decode, step, profile_steps)
     except Exception as error:  # an arm that cannot run is a result, not the end of the run
         return {"error": f"{type(error).__name__}: {str(error)[:200]}"}
 
@@ -198,8 +226,9 @@ def median_result(runs: list[dict]) -> dict:
     errors = [r for r in runs if "error" in r]
     if errors:
         return errors[0]
-    out = {key: statistics.median(r[key] for r in runs) for key in runs[0] if key != "chunk_ms"}
-    out["chunk_ms"] = runs[0]["chunk_ms"]
+    kept = ("chunk_ms", "decode_build_profile")  # the first run's
+    out = {key: statistics.median(r[key] for r in runs) for key in runs[0] if key not in kept}
+    out.update({key: runs[0][key] for key in kept if key in runs[0]})
     return out
 
 
@@ -225,6 +254,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="rounds over all arms; medians")
     parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     parser.add_argument("--out", default=None, help="also write the JSON here, after each context")
+    parser.add_argument("--profile", action="store_true",
+                        help="add each arm's cProfile of decode-step graph building (decode_build_profile)")
     args = parser.parse_args(argv)
     size = args.size or ("quick" if args.quick else "scaled")
     prompt_len = args.prompt or (256 if args.quick else 1024)
@@ -252,7 +283,8 @@ def main(argv=None) -> int:
                     if name not in wanted:
                         continue
                     samples.setdefault(name, []).append(
-                        safe_measure(model, factory, prompt, decode, args.prefill_step))
+                        safe_measure(model, factory, prompt, decode, args.prefill_step,
+                                     args.profile and repeat == 0))
                     print(f"  {context} tokens, repeat {repeat + 1}/{args.repeats}: {name}",
                           file=sys.stderr, flush=True)
                     mx.clear_cache()
