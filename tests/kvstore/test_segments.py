@@ -286,3 +286,31 @@ def test_audit_names_damaged_records_entries_past_the_end_and_orphans(tmp_path):
     assert not clean.damaged and not clean.past_end
     assert [o[2] for o in clean.orphans] == [recs[1].digest, recs[2].digest]  # damaged or not
     files.close()
+
+
+def test_prepare_never_writes_through_a_descriptor_of_a_replaced_segment(tmp_path):
+    """Two writers (two processes' SegmentFiles) on one directory, serialised as the
+    store's writer lock does. A's failed save left segment 1 uncommitted; B's next save
+    deletes it and makes a new segment 1, committed. A's following save must append to
+    that new file, not through its cached descriptor of the unlinked one (whose bytes
+    nobody could ever read)."""
+    a, b = SegmentFiles(tmp_path, SMALL), SegmentFiles(tmp_path, SMALL)
+    base = a.append([pending(page(20000, i)) for i in range(3)])  # fills segment 0
+    a.sync()
+    tails = {0: max(loc.end for loc in base)}
+    a.prepare(tails)
+    a.append([pending(page(20000, 10))])  # segment 1, never committed: a leftover
+    b.prepare(tails)  # deletes A's segment 1
+    made = b.append([pending(page(20000, 20))])
+    b.sync()
+    assert made[0].segment == 1
+    tails[1] = made[0].end
+    a.prepare(tails)
+    rec = pending(page(20000, 30))
+    (loc,) = a.append([rec])
+    a.sync()
+    reader = SegmentFiles(tmp_path, SMALL)
+    header, body = reader.read_verified(loc, rec.digest)
+    assert bytes(body) == page(20000, 30)
+    for files in (a, b, reader):
+        files.close()
