@@ -11,7 +11,9 @@ Usage:
 Per arm and context: TTFT (the prompt in chunks of --prefill-step, evaluated after each
 chunk as mlx-lm's generate_step does, through the first token's argmax; prefill tokens/s
 is the prompt over it; the chunks' own times are kept), decode tokens/s at that context
-(greedy, one token per step, evaluated every step; median over segments of 4), the same
+(greedy, one token per step, evaluated every step; median over segments of 4), with
+--interleaved N also every arm side by side, one step each per round (load from other
+processes then falls on all arms alike: the fairer ratio on a shared CPU), the same
 overlapped as mlx-lm's generate_step runs it (the next step built and launched before this
 one's token is read; another --decode tokens), the Python
 time to build one decode step's graph (the per-step work outside the kernels: block
@@ -199,6 +201,36 @@ def safe_measure(model, factory, prompt: mx.array, decode: int, step: int, profi
         return {"error": f"{type(error).__name__}: {str(error)[:200]}"}
 
 
+def interleaved_decode(model, factories: dict, prompt: mx.array, rounds: int, step: int) -> dict:
+    """Decode with every arm's cache alive at once, one step of each arm per round, so load
+    from other processes on a shared machine falls on all arms alike. Per arm: the median
+    step time and the median over rounds of KVCache's step time over the arm's (its
+    tokens/s ratio within a round). Arms that raise are left out with their error."""
+    state, out = {}, {}
+    for name, factory in factories.items():
+        try:
+            cache = factory()
+            token = prefill(model, cache, prompt, step).argmax()
+            for _ in range(2):
+                token = model(token[None, None], cache=cache)[0, -1].argmax()
+                mx.eval(token)
+            state[name] = [cache, token, []]
+        except Exception as error:  # an arm that cannot run is a result
+            out[name] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+    for _ in range(rounds):
+        for entry in state.values():
+            began = time.perf_counter()
+            entry[1] = model(entry[1][None, None], cache=entry[0])[0, -1].argmax()
+            mx.eval(entry[1])
+            entry[2].append(time.perf_counter() - began)
+    base = state[BASELINE][2]
+    for name, (_, _, times) in state.items():
+        out[name] = {"step_ms": statistics.median(times) * 1e3,
+                     "x_kvcache_within_rounds": statistics.median(b / t for b, t in zip(base, times, strict=True)),
+                     "rounds_ms": [round(t * 1e3, 2) for t in times]}
+    return out
+
+
 def table(results: dict, baseline: str) -> str:
     """Markdown rows; TTFT "x" is KVCache's TTFT over the arm's (above 1: faster)."""
     base = results[baseline]
@@ -254,6 +286,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="rounds over all arms; medians")
     parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     parser.add_argument("--out", default=None, help="also write the JSON here, after each context")
+    parser.add_argument("--interleaved", type=int, default=0, metavar="ROUNDS",
+                        help="also decode all arms side by side for ROUNDS rounds, one step of "
+                             "each per round (a fairer ratio on a shared machine)")
     parser.add_argument("--profile", action="store_true",
                         help="add each arm's cProfile of decode-step graph building (decode_build_profile)")
     args = parser.parse_args(argv)
@@ -289,6 +324,11 @@ def main(argv=None) -> int:
                           file=sys.stderr, flush=True)
                     mx.clear_cache()
             report["contexts"][context] = {name: median_result(runs) for name, runs in samples.items()}
+            if args.interleaved:
+                chosen = {name: f for name, f in all_arms.items() if name in wanted}
+                report.setdefault("interleaved_decode", {})[context] = interleaved_decode(
+                    model, chosen, prompt, args.interleaved, args.prefill_step)
+                mx.clear_cache()
             if args.out:
                 with open(args.out, "w") as handle:
                     json.dump(report, handle, indent=2)
@@ -307,6 +347,14 @@ def main(argv=None) -> int:
     for context, results in report["contexts"].items():
         print(f"### context {context} tokens\n")
         print(table(results, BASELINE) + "\n")
+        side = report.get("interleaved_decode", {}).get(context)
+        if side:
+            print(f"interleaved decode, {args.interleaved} rounds (median step ms; x KVCache "
+                  "within rounds):\n")
+            for name, r in side.items():
+                print(f"- {name}: " + (r["error"] if "error" in r else
+                      f"{r['step_ms']:.2f} ms, {r['x_kvcache_within_rounds']:.2f}x"))
+            print()
     return 0
 
 
