@@ -338,3 +338,31 @@ def test_fresh_tokens_are_kept_only_for_the_router_and_taken_once(monkeypatch):
     cache.update_and_fetch(keys, keys)
     cache.trim(3)
     assert cache.take_fresh_tokens(12) is None
+
+
+def test_a_decode_write_is_one_slice_update_per_plane(tmp_path):
+    """A decode step writes each native plane as one SliceUpdate node: no Gather/Squeeze of
+    the batch axis and no Broadcast of an integer-index write (each a launch on a GPU, and
+    host time in both graph building and evaluation; docs/kernels.md, "Decode end to end")."""
+    import re
+
+    from engine.cache import ROUTED_MODULES
+    from engine.formats import resolve_format
+
+    spec = PageSpec(resolve_format("native", mx.bfloat16), 2, 64, 64, 16)
+    cache = PagedKVCache(BlockPool(spec, 4))
+    cache.routed_by = ("tests.decode_write",)
+    ROUTED_MODULES["tests.decode_write"] = 1
+    try:
+        keys = mx.random.normal((1, 2, 5, 64)).astype(mx.bfloat16)
+        cache.update_and_fetch(keys, keys)
+        mx.eval(cache.pool.planes)
+        step = mx.random.normal((1, 2, 1, 64)).astype(mx.bfloat16)
+        mx.eval(step)
+        cache.update_and_fetch(step, step)
+        path = tmp_path / "step.dot"
+        mx.export_to_dot(str(path), *cache.pool.planes.values())
+        nodes = re.findall(r'label =\s*"([A-Za-z]+)', path.read_text())
+        assert nodes == ["SliceUpdate", "SliceUpdate"], nodes
+    finally:
+        del ROUTED_MODULES["tests.decode_write"]
