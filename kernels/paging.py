@@ -198,3 +198,54 @@ def sink_logits(sinks: mx.array, shape: AttentionShape) -> mx.array:
     per_head = sinks.astype(mx.float32).reshape(shape.n_kv_heads, shape.rep, 1)
     rows = mx.broadcast_to(per_head, (shape.n_kv_heads, shape.rep, shape.num_queries))
     return rows.reshape(shape.n_kv_heads, shape.rep * shape.num_queries, 1)
+
+
+class OnlineSoftmax:
+    """The running (max, sum, output) triple of partitioned attention, merged with the
+    log-sum-exp rule (kernels/partitioned.py's docstring), in float32; one per call.
+    Rows are grouped query rows [B, Hkv, rep*L]; sinks enter as the initial triple
+    (sink, 1, 0)."""
+
+    def __init__(self, shape: AttentionShape, sinks: mx.array | None):
+        self.shape = shape
+        rows = shape.rep * shape.num_queries
+        stats = (shape.batch, shape.n_kv_heads, rows, 1)
+        if sinks is None:
+            self.max = mx.full(stats, -mx.inf, dtype=mx.float32)
+            self.sum = mx.zeros(stats, dtype=mx.float32)
+        else:
+            self.max = mx.broadcast_to(sink_logits(sinks, shape), stats)
+            self.sum = mx.ones(stats, dtype=mx.float32)
+        self.output = mx.zeros((shape.batch, shape.n_kv_heads, rows, shape.v_head_dim),
+                               dtype=mx.float32)
+        self._correction = None
+
+    def weights(self, scores: mx.array, visible: mx.array | None) -> mx.array:
+        """One partition's scores [B, Hkv, rows, width], masked by visible ([B, 1, L, width]
+        from visibility_mask, or None), move the running max and sum; returns the
+        partition's unnormalised weights for add()."""
+        shape = self.shape
+        if visible is not None:
+            # visible: [B, 1, L, width] -> rows are (rep, L): broadcast over rep
+            batch, heads, rows, width = scores.shape
+            by_rep = scores.reshape(batch, heads, shape.rep, shape.num_queries, width)
+            scores = mx.where(visible[:, :, None], by_rep, -mx.inf).reshape(batch, heads, rows, width)
+        new_max = mx.maximum(self.max, scores.max(axis=-1, keepdims=True))
+        # a row that has seen nothing yet keeps max -inf; shift by 0 so exp() gives 0, not nan
+        shift = mx.where(new_max == -mx.inf, 0.0, new_max)
+        weights = mx.exp(scores - shift)
+        self._correction = mx.exp(self.max - shift)
+        self.sum = self.sum * self._correction + weights.sum(axis=-1, keepdims=True)
+        self.max = new_max
+        return weights
+
+    def add(self, partial: mx.array) -> None:
+        """Merges weights @ values of the partition weights() was last given."""
+        self.output = self.output * self._correction + partial
+
+    def result(self, dtype) -> mx.array:
+        """[B, Hq, L, Dv] in dtype."""
+        shape = self.shape
+        result = (self.output / self.sum).reshape(
+            shape.batch, shape.n_q_heads, shape.num_queries, shape.v_head_dim)
+        return result.astype(dtype)

@@ -27,12 +27,12 @@ import mlx.core as mx
 from kernels.call import PagedAttentionCall
 from kernels.layout import PageLayout
 from kernels.paging import (
+    OnlineSoftmax,
     check_shape,
     clean_block_ids,
     first_visible_key,
     gather_pages,
     prepare_queries,
-    sink_logits,
     visibility_mask,
 )
 
@@ -55,13 +55,7 @@ def partitioned_attention(call: PagedAttentionCall, partition_tokens: int = 1024
         batch, shape.n_kv_heads, rows, shape.k_head_dim
     )
     code_queries = CodeQueries(grouped, layout) if layout.packed else None
-    if sinks is None:
-        running_max = mx.full((batch, shape.n_kv_heads, rows, 1), -mx.inf, dtype=mx.float32)
-        running_sum = mx.zeros((batch, shape.n_kv_heads, rows, 1), dtype=mx.float32)
-    else:
-        running_max = mx.broadcast_to(sink_logits(sinks, shape), (batch, shape.n_kv_heads, rows, 1))
-        running_sum = mx.ones((batch, shape.n_kv_heads, rows, 1), dtype=mx.float32)
-    output = mx.zeros((batch, shape.n_kv_heads, rows, shape.v_head_dim), dtype=mx.float32)
+    merge = OnlineSoftmax(shape, sinks)
 
     first_key = first_visible_key(context_lens, shape.num_queries, window)
     start = first_key // partition_tokens * partition_tokens
@@ -80,26 +74,9 @@ def partitioned_attention(call: PagedAttentionCall, partition_tokens: int = 1024
         visible = visibility_mask(
             context_lens, shape.num_queries, token0, width, causal=causal, window=window
         )
-        if visible is not None:
-            # visible: [B, 1, L, width] -> rows are (rep, L): broadcast over rep
-            by_rep = scores.reshape(batch, shape.n_kv_heads, shape.rep, shape.num_queries, width)
-            by_rep = mx.where(visible[:, :, None], by_rep, -mx.inf)
-            scores = by_rep.reshape(batch, shape.n_kv_heads, rows, width)
-
-        new_max = mx.maximum(running_max, scores.max(axis=-1, keepdims=True))
-        # a row that has seen nothing yet keeps max -inf; shift by 0 so exp() gives 0, not nan
-        shift = mx.where(new_max == -mx.inf, 0.0, new_max)
-        weights = mx.exp(scores - shift)
-        correction = mx.exp(running_max - shift)
-        running_sum = running_sum * correction + weights.sum(axis=-1, keepdims=True)
-        partial = pages.weighted_values(weights) if layout.packed else weights @ values
-        output = output * correction + partial
-        running_max = new_max
-
-    result = (output / running_sum).reshape(
-        batch, shape.n_q_heads, shape.num_queries, shape.v_head_dim
-    )
-    return result.astype(queries.dtype)
+        weights = merge.weights(scores, visible)
+        merge.add(pages.weighted_values(weights) if layout.packed else weights @ values)
+    return merge.result(queries.dtype)
 
 
 def partition_size(partition_tokens: int, block_size: int) -> int:

@@ -28,11 +28,11 @@ import mlx.core as mx
 from kernels.call import PagedAttentionCall
 from kernels.layout import PageLayout
 from kernels.paging import (
+    OnlineSoftmax,
     check_shape,
     clean_block_ids,
     first_visible_key,
     prepare_queries,
-    sink_logits,
     visibility_mask,
 )
 
@@ -67,13 +67,7 @@ def quantized_attention(call: PagedAttentionCall, partition_tokens: int = 1024) 
     # queries: [B, Hkv, rep*L, Dk] float32, rotated, scale folded in
     grouped = (prepare_queries(call.queries, layout) * call.scale).reshape(
         batch, shape.n_kv_heads, rows, shape.k_head_dim)
-    if call.sinks is None:
-        running_max = mx.full((batch, shape.n_kv_heads, rows, 1), -mx.inf, dtype=mx.float32)
-        running_sum = mx.zeros((batch, shape.n_kv_heads, rows, 1), dtype=mx.float32)
-    else:
-        running_max = mx.broadcast_to(sink_logits(call.sinks, shape), (batch, shape.n_kv_heads, rows, 1))
-        running_sum = mx.ones((batch, shape.n_kv_heads, rows, 1), dtype=mx.float32)
-    output = mx.zeros((batch, shape.n_kv_heads, rows, shape.v_head_dim), dtype=mx.float32)
+    merge = OnlineSoftmax(shape, call.sinks)
 
     first_key = first_visible_key(context_lens, shape.num_queries, window)
     start = first_key // partition_tokens * partition_tokens
@@ -89,26 +83,12 @@ def quantized_attention(call: PagedAttentionCall, partition_tokens: int = 1024) 
                                      group_size=group, bits=layout.k_bits)  # [B, Hkv, rows, width]
         visible = visibility_mask(context_lens, shape.num_queries, token0, width, causal=causal,
                                   window=window)
-        if visible is not None:
-            # visible: [B, 1, L, width] -> rows are (rep, L): broadcast over rep
-            by_rep = scores.reshape(batch, shape.n_kv_heads, shape.rep, shape.num_queries, width)
-            scores = mx.where(visible[:, :, None], by_rep, -mx.inf).reshape(
-                batch, shape.n_kv_heads, rows, width)
-        new_max = mx.maximum(running_max, scores.max(axis=-1, keepdims=True))
-        # a row that has seen nothing yet keeps max -inf; shift by 0 so exp() gives 0, not nan
-        shift = mx.where(new_max == -mx.inf, 0.0, new_max)
-        weights = mx.exp(scores - shift)
-        correction = mx.exp(running_max - shift)
-        running_sum = running_sum * correction + weights.sum(axis=-1, keepdims=True)
+        weights = merge.weights(scores, visible)
         v_codes = _tokens(planes["v_codes"], block_ids).view(mx.uint32)
-        partial = mx.quantized_matmul(weights, v_codes, _tokens(planes["v_scales"], block_ids),
+        merge.add(mx.quantized_matmul(weights, v_codes, _tokens(planes["v_scales"], block_ids),
                                       _tokens(planes["v_offsets"], block_ids), transpose=False,
-                                      group_size=group, bits=layout.v_bits)
-        output = output * correction + partial
-        running_max = new_max
-
-    result = (output / running_sum).reshape(batch, shape.n_q_heads, shape.num_queries, shape.v_head_dim)
-    return result.astype(call.queries.dtype)
+                                      group_size=group, bits=layout.v_bits))
+    return merge.result(call.queries.dtype)
 
 
 def workspace_nbytes(n_q_heads: int, n_kv_heads: int, num_queries: int, k_head_dim: int,
