@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from tests.server.harness import serve_model
+from tests.server.harness import PATIENT, serve_model
 from tests.server.requests import (
     BLOCK,
     REQUESTS,
@@ -24,7 +24,6 @@ from tests.server.requests import (
 )
 
 REQUEST_A, REQUEST_B = REQUESTS["A"], REQUESTS["B"]
-PATIENT = ("--lookup-timeout", "30s")  # a loaded CI machine must not turn a hit into a miss
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from tests.server.harness import serve_model, stock_server
+from tests.server.harness import PATIENT, serve_model, stock_server
 from tests.server.requests import (
     BLOCK,
     REQUESTS,
@@ -22,8 +22,6 @@ from tests.server.requests import (
     common_prefix,
     prompt_ids,
 )
-
-PATIENT = ("--lookup-timeout", "30s")  # a loaded CI machine must not turn a hit into a miss
 
 
 @pytest.fixture(scope="module")
