@@ -84,6 +84,8 @@ LOCATION = struct.Struct(">IIQQ")  # segment, flags, offset, length
 DEFAULT_SEGMENT_NBYTES = 1 << 30
 SEGMENT_NAME = re.compile(r"^([0-9a-f]{8})\.seg$")
 _ZEROS = bytes(RECORD_ALIGN)
+WRITEBACK_NBYTES = 8 << 20  # an append starts writeback of every 8 MiB it has written
+SYNC_FILE_RANGE_WRITE = 0x02
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 assert PAGE_VALUE_AT + PAGE_HEADER_NBYTES == RECORD_HEADER_NBYTES
@@ -234,6 +236,18 @@ class SegmentFiles:
         except FileNotFoundError:
             return 0
 
+    def allocated_nbytes(self) -> int:
+        """Disk the segment files hold: st_blocks * 512 summed over every segment file,
+        so preallocated space counts (a new segment is posix_fallocate'd whole) and
+        punched holes do not. A file removed meanwhile counts 0."""
+        total = 0
+        for segment in self.segments():
+            try:
+                total += os.stat(self.path(segment)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+        return total
+
     # -- writing ---------------------------------------------------------------------
     def resume(self, segment: int, tail: int) -> None:
         """Append to `segment` from `tail` (the committed tail the index holds): bytes
@@ -305,15 +319,36 @@ class SegmentFiles:
                 parts.append(_ZEROS[: span - length])
             self._pwritev_all(segment, parts, offset, span)
 
+        def write_run(run: range) -> None:
+            # Records of a run lie back to back; every WRITEBACK_NBYTES of them, the
+            # kernel is told to start writing them out, so sync()'s fdatasync finds
+            # most of the save already on its way to the disk (one 512 MiB save on
+            # this 2-core VM: fdatasync 0.13-0.16 s -> 0.01-0.07 s, the whole write +
+            # sync 0.20-0.25 s -> 0.14-0.18 s). Durability is still sync()'s alone.
+            pending: list = []  # (segment, start, end) not yet handed to writeback
+            for i in run:
+                write(i)
+                segment, offset, span = places[i]
+                if pending and pending[0] == segment and pending[2] == offset:
+                    pending[2] = offset + span
+                else:
+                    if pending:
+                        start_writeback(self._write_fds[pending[0]], pending[1], pending[2] - pending[1])
+                    pending = [segment, offset, offset + span]
+                if pending[2] - pending[1] >= WRITEBACK_NBYTES:
+                    start_writeback(self._write_fds[segment], pending[1], pending[2] - pending[1])
+                    pending = []
+            if pending:
+                start_writeback(self._write_fds[pending[0]], pending[1], pending[2] - pending[1])
+
         workers = min(workers, len(records))
         if workers <= 1 or total < PARALLEL_WRITE_NBYTES:
-            for i in range(len(records)):
-                write(i)
+            write_run(range(len(records)))
         else:
             step = -(-len(records) // workers)
             runs = [range(a, min(a + step, len(records))) for a in range(0, len(records), step)]
             with ThreadPoolExecutor(len(runs), thread_name_prefix="kvstore-write") as pool:
-                for future in [pool.submit(lambda r=r: [write(i) for i in r]) for r in runs]:
+                for future in [pool.submit(write_run, r) for r in runs]:
                     future.result()  # the first failure (StoreFull, StoreIOError) raises
         return out
 
@@ -567,6 +602,24 @@ def audit(files: SegmentFiles, locations: dict[bytes, Location],
 
 
 _libc = None
+_sync_file_range = None  # libc's, or False where there is none (not Linux)
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing [offset, offset + nbytes) of fd out now
+    (sync_file_range(SYNC_FILE_RANGE_WRITE): it waits for nothing to reach the disk, and
+    it is no durability barrier; fdatasync is). Advisory: where the call is missing or
+    fails nothing happens here, since a writeback error it would meet is reported by the
+    fdatasync that follows (the file's error state), and that fails the save."""
+    global _sync_file_range
+    if _sync_file_range is None:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+        if fn is not None:
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        _sync_file_range = fn or False
+    if _sync_file_range and nbytes > 0:
+        _sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)  # drops the GIL (ctypes)
 
 
 def punch_hole(fd: int, offset: int, nbytes: int) -> bool:

@@ -314,3 +314,33 @@ def test_prepare_never_writes_through_a_descriptor_of_a_replaced_segment(tmp_pat
     assert bytes(body) == page(20000, 30)
     for files in (a, b, reader):
         files.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_append_starts_writeback_of_every_written_span_once(tmp_path, monkeypatch, workers):
+    """append hands every byte it wrote to start_writeback (sync_file_range), in runs of
+    at most about WRITEBACK_NBYTES, each run inside one segment, none twice; sync() is
+    still what makes them durable. Small segments: the runs break at rollover."""
+    monkeypatch.setattr(seg, "WRITEBACK_NBYTES", 3 * RECORD_ALIGN)
+    monkeypatch.setattr(seg, "PARALLEL_WRITE_NBYTES", 0)
+    calls = []
+    real = seg.start_writeback
+    monkeypatch.setattr(seg, "start_writeback",
+                        lambda fd, offset, nbytes: (calls.append((fd, offset, nbytes)),
+                                                    real(fd, offset, nbytes)))
+    files = SegmentFiles(tmp_path, 8 * RECORD_ALIGN)
+    recs = [pending(page(3000 + 37 * i, i)) for i in range(21)]
+    locs = files.append(recs, workers=workers)
+    files.sync()
+    fd_segment = {fd: s for s, fd in files._write_fds.items()}
+    covered = sorted((fd_segment[fd], offset, offset + nbytes) for fd, offset, nbytes in calls)
+    spans = sorted((loc.segment, loc.offset, loc.end) for loc in locs)
+    merged = []
+    for s, a, b in covered:  # every call is a run of whole, adjacent record spans
+        assert b - a <= 4 * RECORD_ALIGN
+        merged += [x for x in spans if x[0] == s and a <= x[1] and x[2] <= b]
+    assert merged == spans  # each span in exactly one call
+    assert sum(b - a for _, a, b in covered) == sum(loc.span_nbytes for loc in locs)
+    for data, loc in zip(recs, locs, strict=True):
+        assert bytes(files.read_verified(loc, data.digest)[1]) == bytes(data.stored)
+    files.close()
