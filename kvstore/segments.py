@@ -107,7 +107,7 @@ class Location:
     def unpack(cls, value) -> "Location":
         if len(value) != LOCATION.size:
             raise ValueError(f"a location is {LOCATION.size} bytes, not {len(value)}")
-        segment, flags, offset, length = LOCATION.unpack(bytes(value))
+        segment, flags, offset, length = LOCATION.unpack_from(value)
         return cls(segment, offset, length, flags)
 
     @property
@@ -157,11 +157,18 @@ def parse_record_header(view) -> tuple[bytes, PageHeader]:
 def verify_record(view, digest: bytes, location: Location | None = None
                   ) -> tuple[PageHeader, memoryview]:
     """view: the record's bytes (view()). Returns (page header, stored bytes view) or
-    raises ValueError naming the damage: header checksum, digest, lengths, xxh3-128."""
+    raises ValueError naming the damage: header checksum, digest, lengths, xxh3-128.
+    Every check that kvstore.pages.verify_stored makes of the page value is made here
+    too (the page header's fields, its digest prefix, the stored length, the xxh3-128),
+    with the record header's own, in one parse: the read path's one verification."""
     named, header = parse_record_header(view)
-    if named != bytes(digest):
+    digest = bytes(digest)
+    if named != digest:
         raise ValueError(f"the record was written for page {named.hex()[:16]}..., not for "
                          "this one (misplaced or swapped)")
+    if any(header.digest_prefix) and header.digest_prefix != digest[:8]:
+        raise ValueError(f"the page header was written for page {header.digest_prefix.hex()}"
+                         "..., not for this one (misplaced or swapped)")
     length = RECORD_HEADER_NBYTES + header.stored_nbytes
     if location is not None and location.length != length:
         raise ValueError(f"the index says {location.length} bytes, the record header "
@@ -471,6 +478,9 @@ class SegmentFiles:
         return verify_record(self.view(location), digest, location)
 
     def _map(self, segment: int) -> mmap.mmap | None:
+        m = self._maps.get(segment)  # the read path: no lock once mapped (a dict get is atomic)
+        if m is not None:
+            return m
         with self._lock:
             m = self._maps.get(segment)
             if m is None:

@@ -81,7 +81,13 @@ from kvstore.pages import (
     verify_stored,
 )
 from kvstore.readinto import read_verified
-from kvstore.segments import RECORD_HEADER_NBYTES, PendingRecord, SegmentFiles, align_up
+from kvstore.segments import (
+    RECORD_HEADER_NBYTES,
+    PendingRecord,
+    SegmentFiles,
+    align_up,
+    verify_record,
+)
 from kvstore.records import BlockRecord, Checkpoint, checkpoint_key
 from kvstore.results import CommitResult, PrefixMatch, PutResult, StoreStats
 
@@ -366,20 +372,19 @@ class Store:
         wanted = [PageDigest.coerce(d) for d in digests]
         damaged: list[tuple[PageDigest, str]] = []
         with self.index.read(buffers=True) as index:
-            views = []
-            for d in wanted:
-                value = index.page(d)
-                if value is None:
-                    _raise_absent(index, d)
-                try:
-                    header, body = verify_stored(value, d)
-                    views.append(decode_stored(header, body))
-                except ValueError as exc:
-                    damaged.append((d, str(exc)))
-                    continue
-                problem = index.record_problem(d)  # schema 2: the segment record's header
-                if problem is not None:
-                    damaged.append((d, problem))
+            if self.schema_version == SCHEMA_V2:
+                views = _verified_segment_views(index, wanted, damaged)
+            else:
+                views = []
+                for d in wanted:
+                    value = index.page(d)
+                    if value is None:
+                        _raise_absent(index, d)
+                    try:
+                        header, body = verify_stored(value, d)
+                        views.append(decode_stored(header, body))
+                    except ValueError as exc:
+                        damaged.append((d, str(exc)))
             if not damaged:
                 yield views
                 return
@@ -606,6 +611,10 @@ class Store:
                 return EvictionReport(blocks, pages, freed)
 
     def stats(self) -> StoreStats:
+        """Counts and bytes. file_nbytes is the disk the store holds: the LMDB data
+        file's used pages (last page number times page size) plus, at schema 2, the
+        segment files' allocated bytes (st_blocks * 512: preallocated space counts,
+        punched holes do not; SegmentFiles.allocated_nbytes)."""
         with self.index.read() as index:
             counts = {name: index.entries(name) for name in
                       ("pages", "blocks", "checkpoints", "formats", "quarantine", "pins")}
@@ -616,7 +625,7 @@ class Store:
             checkpoint_count=counts["checkpoints"], format_count=counts["formats"],
             quarantined_count=counts["quarantine"], pinned_block_count=counts["pins"],
             budget_nbytes=self.config.budget_nbytes, map_nbytes=self._lmdb.map_nbytes(),
-            file_nbytes=self._lmdb.used_nbytes(), lookups=lookups, lookup_hits=hits,
+            file_nbytes=self._lmdb.used_nbytes() + self._segment_allocated_nbytes(), lookups=lookups, lookup_hits=hits,
             tokens_looked_up=asked, tokens_matched=matched,
             lookups_stopped_at_damage=stopped, **counters,
         )
@@ -632,6 +641,10 @@ class Store:
         return plan_gc(self, grace_s)
 
     # -- internals -------------------------------------------------------------------------
+    def _segment_allocated_nbytes(self) -> int:
+        """Schema 2: the segment files' allocated bytes; 0 at schema 1 (no segments)."""
+        return 0 if self._segments is None else self._segments.allocated_nbytes()
+
     def _require_format(self, format_id) -> FormatIdentity:
         identity = self._cached_format(format_id_bytes(format_id))
         if identity is None:
@@ -678,6 +691,30 @@ def _raise_absent(index: StoreIndex, d: PageDigest):
     if index.is_quarantined(d):
         raise IntegrityError(d.hex(), "quarantined earlier")
     raise NotFound(f"page {d.hex()} is not stored")
+
+
+def _verified_segment_views(index: StoreIndex, wanted: list, damaged: list) -> list:
+    """Schema 2, get_pages' loop: per page one index get, one view of its segment record
+    and one parse of its header (kvstore/segments.py verify_record: the record header's
+    magic, reserved bytes, checksum and full digest, and every check verify_stored makes
+    of the page value: its header, digest prefix, lengths, xxh3-128). Pages that fail go to `damaged`
+    (digest, reason); the rest are returned in order. Per page this is the least Python
+    that verifies it: callers read from many threads, and this loop holds the GIL."""
+    segments = index.segments
+    views = []
+    for d in wanted:
+        location = index.location(d)
+        if location is None:
+            if not index.has_page(d):
+                _raise_absent(index, d)
+            damaged.append((d, "its location does not parse"))
+            continue
+        try:
+            header, body = verify_record(segments.view(location), d, location)
+            views.append(decode_stored(header, body))
+        except ValueError as exc:
+            damaged.append((d, str(exc)))
+    return views
 
 
 def format_id_bytes(format_id) -> bytes:

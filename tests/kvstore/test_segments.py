@@ -344,3 +344,16 @@ def test_append_starts_writeback_of_every_written_span_once(tmp_path, monkeypatc
     for data, loc in zip(recs, locs, strict=True):
         assert bytes(files.read_verified(loc, data.digest)[1]) == bytes(data.stored)
     files.close()
+
+
+def test_verify_record_refuses_a_page_header_written_for_another_page(tmp_path):
+    """The page header's digest prefix is checked on the read path as at schema 1, even
+    where the record header (full digest, checksum) is intact: a page value moved under
+    another page's record header is refused."""
+    data, other = page(5000, 1), page(5000, 2)
+    digest = blake3.blake3(data).digest()
+    header, stored = encode_page(data, RAW, blake3.blake3(other).digest())  # other's prefix
+    files, (loc,) = _appended(tmp_path, [PendingRecord(digest, header, stored)])
+    with pytest.raises(ValueError, match="page header was written for page"):
+        files.read_verified(loc, digest)
+    files.close()

@@ -184,3 +184,34 @@ def test_check_names_orphan_records_and_locations_past_the_end(tmp_path):
         assert db.hex() in orphans[f"{loc.segment:08x}+{loc.offset}"]
         structure = {p.kind for p in store.check().problems}
         assert "page_past_end" in structure and "record_orphan" not in structure
+
+
+# offsets into a record: record magic, reserved, digest, reserved, checksum, page magic,
+# codec, page reserved, raw length, stored length, xxh3, digest prefix, first and last
+# stored byte
+DAMAGE_AT = (0, 5, 8, 50, 72, 80, 84, 86, 90, 100, 110, 124, 128, -1)
+
+
+@pytest.mark.parametrize("at", DAMAGE_AT)
+def test_get_pages_refuses_and_quarantines_damage_anywhere_in_a_record(tmp_path, at):
+    """get_pages' one-parse verification (segments.verify_record) still refuses a byte
+    flipped anywhere in a segment record, header or body, and serves nothing of it."""
+    from kvstore.errors import IntegrityError
+    good, bad = rand(30_000, 1), rand(30_000, 2)
+    with make_store(tmp_path / "s") as store:
+        batch = PageBatch.hash([good, bad])
+        store.put_pages(batch)
+        loc = locations(store, [batch.digests[1]])[0]
+        offset = loc.offset + (at if at >= 0 else loc.length + at)
+        fd = os.open(store.path / "segments" / f"{loc.segment:08x}.seg", os.O_RDWR)
+        try:
+            byte = os.pread(fd, 1, offset)
+            os.pwrite(fd, bytes([byte[0] ^ 0x10]), offset)
+        finally:
+            os.close(fd)
+        with store.get_pages([batch.digests[0]]) as views:
+            assert bytes(views[0]) == good
+        with pytest.raises(IntegrityError):
+            with store.get_pages(list(batch.digests)):
+                pytest.fail("a damaged page was served")
+        assert store.stats().quarantined_count == 1
