@@ -14,7 +14,12 @@ location lies inside its segment's file and committed tail (page_past_end); with
 read_data, every record header (magic, reserved bytes, checksum, the full digest), and
 every segment up to its committed tail for records that no page, quarantine or
 dead-record entry names (record_orphan). Bytes past a committed tail are crash
-leftovers, unreachable, and not reported: the next save overwrites them.
+leftovers, unreachable, and not reported: the next save overwrites them. An interrupted
+compaction (kvstore/gc.py) leaves the same kind of leftovers and nothing else: copies
+past the committed tail before its rebind commit; after it, a retired segment whose
+old records are all named by dead-record (or quarantine) entries, or whose file a GC
+already removed. None of that is reported: only a page whose location lies in a
+retired segment is (page_retired), since removing that file would lose the page.
 
 check never repairs; GC, eviction and re-publishing do.
 """
@@ -51,6 +56,8 @@ PROBLEM_KINDS = {
     "checkpoint_bad": "a checkpoint does not decode, or names absent blocks",
     "counter_wrong": "a byte counter differs from the recomputed total",
     "page_past_end": "a page's location lies past its segment file's end or committed tail",
+    "page_retired": "a page's location lies in a segment that compaction retired (its file "
+                    "is removed after the grace period)",
     "record_orphan": "a segment record below its committed tail that no page, quarantine or "
                      "dead-record entry names (leaked space; not a lost page)",
 }
@@ -211,6 +218,7 @@ def _check_segments(report: CheckReport, index, read_data: bool,
                     subset: tuple[int, int] | None) -> None:
     """Schema 2: locations against their segments, record headers, orphan records."""
     segments, tails = index.segments, index.segment_tails()
+    retired = index.retired_segments()
     damaged = {p.object for p in report.problems if p.kind == "page_damaged"}
     named: set[tuple[int, int]] = set()
     for digest, loc in index.locations():
@@ -219,6 +227,10 @@ def _check_segments(report: CheckReport, index, read_data: bool,
                 report.add("page_damaged", digest.hex(), "its location does not parse")
             continue
         named.add((loc.segment, loc.offset))
+        if loc.segment in retired:
+            report.add("page_retired", digest.hex(),
+                       f"record at {loc.segment:08x}+{loc.offset}: segment {loc.segment:08x} "
+                       "was retired by compaction; its file will be removed")
         file_nbytes, tail = segments.file_nbytes(loc.segment), tails.get(loc.segment, 0)
         if loc.offset + loc.length > min(file_nbytes, tail):
             report.add("page_past_end", digest.hex(),

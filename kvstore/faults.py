@@ -26,6 +26,13 @@ STEPS = {
     "gc_listed": "GC listed its candidates",
     "gc_deleted": "GC committed one batch of deletions",
     "gc_punched": "GC punched one batch of dead segment records, before it forgets them",
+    "gc_compact_written": "compaction appended a batch of live records' copies (not synced, "
+                          "not indexed)",
+    "gc_compact_synced": "compaction fdatasync'ed the copies; the rebind transaction has not "
+                         "committed",
+    "gc_compacted": "compaction committed a batch's rebind (the last one retires the segment)",
+    "gc_segment_removed": "GC removed a retired segment's file; the index has not forgotten "
+                          "its tail and dead records",
 }
 _counts: dict[str, int] = {}
 

@@ -17,7 +17,8 @@ reach into; this is that type here. A StoreIndex is bound to one LMDB transactio
                schema 2 (docs/format.md section 10) a `pages` entry is a Location in a
                segment file: page() resolves it to a zero-copy view of the record's page
                value, which reads exactly as a schema-1 value; deleted and forgotten
-               records go to dead_records for GC to punch; segment tails live in meta
+               records go to dead_records for GC to punch; segment tails live in meta,
+               with the retired marks of segments compaction emptied (rebind_page)
   checkpoints  validated, pinned and unpinned with their blocks and attachments
 
 A store hands them out through its `index` (an IndexAccess): `with store.index.read()
@@ -49,6 +50,7 @@ SIZES = struct.Struct(">QQ")
 DEAD_KEY = struct.Struct(">IQ")   # dead_records key: segment, offset
 DEAD_VALUE = struct.Struct(">QQ")  # dead_records value: length, ns it died
 TAIL_PREFIX = b"segment_tail/"    # meta: segment_tail/<8 hex> -> u64be committed tail
+RETIRED_PREFIX = b"segment_retired/"  # meta: segment_retired/<8 hex> -> u64be ns compacted
 SCHEMA_V1, SCHEMA_V2 = 1, 2
 T = TypeVar("T")
 COUNTERS = ("raw_nbytes", "stored_nbytes", "referenced_raw_nbytes",
@@ -396,6 +398,48 @@ class StoreIndex:
     def forget_dead(self, location: Location) -> bool:
         return bool(self.txn.delete(DEAD_KEY.pack(location.segment, location.offset),
                                     db=self.dbs["dead_records"]))
+
+    # -- compaction (schema 2, kvstore/gc.py): rebinding and retired segments -----------
+    def rebind_page(self, digest: bytes, old: Location, new: Location) -> bool:
+        """Point a page at its relocated copy, if it still lies at `old` (it may have
+        been deleted or quarantined since the copy was made); False otherwise. Sizes,
+        counters and grace time are unchanged: the record's bytes are the same."""
+        current = self.location(digest)
+        if current is None or (current.segment, current.offset) != (old.segment, old.offset):
+            return False
+        self.txn.put(bytes(digest), new.pack(), db=self.dbs["pages"])
+        return True
+
+    def retire_segment(self, segment: int, stamp_ns: int) -> None:
+        """Mark a compacted segment: no page names it any more; GC removes its file
+        once it has been retired for the grace period (readers may still map it)."""
+        self.txn.put(RETIRED_PREFIX + b"%08x" % segment, U64.pack(stamp_ns), db=self.dbs["meta"])
+
+    def retired_segments(self) -> dict[int, int]:
+        """segment -> ns it was retired (compacted), awaiting the removal of its file."""
+        out = {}
+        for key, value in self._items("meta", RETIRED_PREFIX):
+            key = bytes(key)
+            if not key.startswith(RETIRED_PREFIX):
+                break
+            out[int(key[len(RETIRED_PREFIX):], 16)] = U64.unpack(value)[0]
+        return out
+
+    def forget_segment(self, segment: int) -> int:
+        """After a retired segment's file is removed: drop its committed tail, its
+        retired mark and every dead record in it. Returns the dead records dropped."""
+        meta = self.dbs["meta"]
+        self.txn.delete(TAIL_PREFIX + b"%08x" % segment, db=meta)
+        self.txn.delete(RETIRED_PREFIX + b"%08x" % segment, db=meta)
+        prefix = struct.pack(">I", segment)
+        keys = []
+        for key in self._items("dead_records", prefix, values=False):
+            if bytes(key[:4]) != prefix:
+                break
+            keys.append(bytes(key))
+        for key in keys:
+            self.txn.delete(key, db=self.dbs["dead_records"])
+        return len(keys)
 
     def locations(self) -> Iterator[tuple[bytes, Location | None]]:
         """(digest, location) of every page (schema 2); None for an unparseable one."""

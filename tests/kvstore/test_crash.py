@@ -127,6 +127,13 @@ CASES = {
     # schema 2: the pages are gone from the index; some dead records are punched, their
     # entries not yet forgotten (the next GC punches them again, harmlessly)
     "gc_punched": [("gc_punched", lambda s, seed: _loose_left(s, seed) == 0)],
+    # schema 2, compaction of segment 0 (mostly dead once the loose pages go): copies
+    # past the tail, or rebound, or the file removed; A restores exactly in each
+    # (tests/kvstore/test_compaction.py has the detailed cases)
+    "gc_compact_written": [("gc_compact_written", lambda s, seed: _loose_left(s, seed) == 0)],
+    "gc_compact_synced": [("gc_compact_synced", lambda s, seed: _loose_left(s, seed) == 0)],
+    "gc_compacted": [("gc_compacted", lambda s, seed: _loose_left(s, seed) == 0)],
+    "gc_segment_removed": [("gc_segment_removed", lambda s, seed: _loose_left(s, seed) == 0)],
 }
 
 

@@ -36,6 +36,10 @@ OPTIONS = {
     "gc_listed": [("gc", 1)],
     "gc_deleted": [("gc", 1), ("gc", 2)],
     "gc_punched": [("gc", 1), ("gc", 2)],
+    "gc_compact_written": [("gc", 1)],  # the loose pages' GC leaves segment 0 mostly dead
+    "gc_compact_synced": [("gc", 1)],
+    "gc_compacted": [("gc", 1)],
+    "gc_segment_removed": [("gc", 1)],
 }
 CASES = [(step, *options[seed % len(options)], seed) for step, options in OPTIONS.items()
          for seed in range(max(len(SEEDS), len(options)))]  # every option, >= SEEDS seeds

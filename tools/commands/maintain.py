@@ -12,6 +12,7 @@ import typer
 from rich.table import Table
 
 from kvstore.check import PROBLEM_KINDS
+from kvstore.gc import DEFAULT_COMPACT_BELOW, plan_gc
 from tools.commands.common import (
     EXIT_OK,
     EXIT_PROBLEMS,
@@ -36,6 +37,7 @@ from tools.commands.common import (
     store_errors,
     target,
 )
+from tools.commands.gc_report import gc_compaction_done_line, gc_compaction_plan_line
 
 _SUBSET = re.compile(r"^(\d+)/(\d+)$")
 TierConfigOption = typer.Option(None, "--config", help="TOML settings file with s3_* keys")
@@ -111,10 +113,16 @@ def gc(
     remote: bool = typer.Option(False, "--remote",
                                 help="collect the S3 tier's bucket instead (KVSTORE_S3_* or --config)"),
     config: Optional[Path] = TierConfigOption,
+    compact_below: float = typer.Option(
+        DEFAULT_COMPACT_BELOW, "--compact-below", metavar="FRACTION", min=0.0, max=1.0,
+        help="compact a segment whose live records span less than this fraction of it "
+             "(0: never); a local store only"),
 ) -> None:
     """Collect garbage: unreferenced pages older than the grace period, and orphans.
 
     With --remote it collects the S3 bucket shared by the fleet instead: mark-and-sweep from checkpoint manifests and block records younger than the grace period (docs/distributed.md); keep --grace at least twice the writers' refresh age (30 minutes by default).
+
+    At schema 2 it also punches dead segment records, compacts mostly-dead segments (their live records are verified and copied to where saves append; a damaged one is quarantined) and removes a compacted segment's file once it has been retired for the grace period (a reader may still map it), and prints the segments compacted and the bytes freed.
 
     Prints the plan (pages and bytes to free) first, then executes it. Safe while writers run: a page uploaded but not yet committed is younger than the grace period, and every candidate is re-checked inside its delete transaction. A GC that outlives its grace period, or meets another GC, stops with exit 5.
 
@@ -126,13 +134,21 @@ def gc(
     if remote:
         return _gc_remote(grace_s, dry_run, config, tokens_file, as_json)
     with open_store(target(data_dir, url, token, tokens_file), write=not dry_run) as store, store_errors():
-        plan = store.plan_gc(grace_s)
+        if is_local(store):
+            plan = plan_gc(store, grace_s, compact_below=compact_below)
+        elif compact_below != DEFAULT_COMPACT_BELOW:
+            fail("--compact-below applies to a local store (-d); a server compacts at its "
+                 "default", EXIT_USAGE)
+        else:
+            plan = store.plan_gc(grace_s)
         summary = plan.summary()
         if not as_json:
             stdout.print(f"plan: {summary['unreferenced_pages']:,} unreferenced pages "
                          f"({human_bytes(summary['unreferenced_nbytes'])}) older than "
                          f"{human_duration(grace_s)}, {summary['quarantined_pages']} quarantined "
                          f"copies, {summary['stale_time_entries']} stale grace entries")
+            if summary.get("compact_segments") or summary.get("retired_segments"):
+                stdout.print(gc_compaction_plan_line(summary))
         deleted = None
         if not dry_run:
             with progress_bar(not as_json) as bar:
@@ -148,6 +164,8 @@ def gc(
                      f"skipped {deleted['skipped']} that became live, removed "
                      f"{deleted['quarantined']} quarantined copies and "
                      f"{deleted['stale_times']} stale entries")
+        if "compacted_segments" in deleted:
+            stdout.print(gc_compaction_done_line(deleted))
 
 
 def evict(
