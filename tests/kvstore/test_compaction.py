@@ -274,6 +274,19 @@ def test_the_gc_command_shows_compacted_segments_and_bytes_freed(tmp_path):
         assert_prefixes_intact(store)
 
 
+def test_check_reports_a_page_in_a_retired_segment_and_removal_refuses_it(tmp_path):
+    with open_store(tmp_path) as store:
+        build(store)
+        store.index.write(lambda index: index.retire_segment(0, time.time_ns()), what="test")
+        report = store.check()
+        assert {p.kind for p in report.problems} == {"page_retired"}
+        assert len(report.problems) == 16  # every page of segment 0
+        with pytest.raises(AssertionError, match="still names it"):
+            gc_module.remove_retired_segment(store, 0)
+        assert 0 in segment_files(store)
+        assert_prefixes_intact(store)
+
+
 # -- readers in another process ---------------------------------------------------------
 def test_a_reader_holding_views_across_compaction_and_removal(tmp_path, monkeypatch):
     """Another process resolves A's locations (old segment 0) and then compaction runs
