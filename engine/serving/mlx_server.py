@@ -21,6 +21,7 @@ file was written against (mlx-lm 0.32.2).
 from __future__ import annotations
 
 import copy
+import gc
 import inspect
 import logging
 import sys
@@ -344,3 +345,8 @@ def serve(argv: list[str], connection: StoreConnection, settings: ServingSetting
     finally:
         server.run = original_run
         sys.argv = saved_argv
+        # Cyclic garbage left by mlx-lm's caches and ours holds MLX arrays. Collected here,
+        # on the main thread, before the interpreter shuts down: otherwise a worker
+        # thread that ends during shutdown may collect it, and freeing MLX arrays there
+        # aborts the process ("terminate called without an active exception", SIGABRT).
+        gc.collect()
