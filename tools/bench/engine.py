@@ -26,8 +26,7 @@ QuantizedKVCache 4-bit decode on MLX 0.32.4 CUDA at 8K and 32K) is reported with
 
 The paged arms attend through engine.install() with make_cache's per-device default: on
 the CPU native pages take the "reference" (bit-exact with KVCache) and packed pages the
-kernels' dispatch ("quantized"; prefill chunks with their partitions dequantized and their
-own K/V exact); on a GPU both take the direct kernels for decode and
+kernels' dispatch ("partitioned"); on a GPU both take the direct kernels for decode and
 the "dequantized" path for prefill chunks (docs/kernels.md).
 """
 
