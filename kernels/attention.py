@@ -8,9 +8,7 @@ Implementations (see docs/kernels.md):
   "dequantized"  prefill: the history gathered and dequantized once per call into the model
                  dtype, one mx.fast.scaled_dot_product_attention (kernels/prefill.py)
   "quantized"    packed pages scored and weighted by mx.quantized_matmul over partitions,
-                 the same merge as "partitioned" (kernels/quantized_attention.py; CPU default);
-                 a prefill chunk (more than 8 queries) takes its partitions dequantized into
-                 float32 and its own K/V in full precision
+                 the same merge as "partitioned" (kernels/quantized_attention.py; CPU default)
 
 Dispatch (impl=None): $KVSTORE_ATTENTION_IMPL if set, else "cuda" when the default device
 is a CUDA GPU, "metal" on a Metal GPU, "quantized" otherwise. Then, whatever was chosen:
@@ -145,14 +143,7 @@ def attend(call: PagedAttentionCall, *, impl: str | None = None, partition_token
     if chosen == "partitioned":
         return partitioned_attention(call, partition_tokens=partition_tokens)
     if chosen == "quantized":
-        # a prefill chunk (more than the kernels' 8 queries) attends to its own K/V in full
-        # precision, as "dequantized" does, and to the history dequantized partition by
-        # partition (float32 matmuls); decode steps read every token from the codes
-        chunk = call.num_queries > KERNEL_MAX_QUERIES and prefill.serves(
-            call.mask, call.window, call.queries.shape[0])
-        return quantized_attention.quantized_attention(call, partition_tokens=partition_tokens,
-                                                       fresh=fresh if chunk else None,
-                                                       dequantize_partitions=chunk)
+        return quantized_attention.quantized_attention(call, partition_tokens=partition_tokens)
     if chosen == "metal":
         return metal.launch(plan_launch(call, tuning))
     tensor_cores = call.layout.packed and mma_serves(
@@ -185,8 +176,7 @@ def workspace_nbytes(
     cuda/metal:  the split-K partials [Hq, L, splits, Dv + 2] float32 and the rotated queries
                  (splits as tuning plans them; None: environment_tuning()).
     dequantized: the whole history in the model dtype (kernels/prefill.py's estimate).
-    quantized:   one partition's gathered pages and score-sized temporaries, for more
-                 than 8 queries (prefill chunks) its float32 K/V and the chunk's own part
+    quantized:   one partition's gathered pages and score-sized temporaries
                  (kernels/quantized_attention.py's estimate; unserved layouts: partitioned).
     """
     if impl not in IMPLEMENTATIONS:
@@ -230,8 +220,7 @@ def workspace_nbytes(
     if impl == "quantized" and quantized_attention.serves(layout):
         return quantized_attention.workspace_nbytes(
             n_q_heads, n_kv_heads, num_queries, k_head_dim, v_head_dim, context_len, block_size,
-            layout, partition_tokens, gpu=mx.default_device() == mx.gpu,
-            prefill=num_queries > KERNEL_MAX_QUERIES)
+            layout, partition_tokens, gpu=mx.default_device() == mx.gpu)
     if mx.default_device() == mx.gpu:
         # A GPU backend hands a temporary's memory back only once the kernels that read it
         # have run, so within one evaluation the partitions' temporaries can all be alive

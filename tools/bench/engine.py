@@ -7,14 +7,12 @@ Usage:
   python -m tools.bench.engine --size 0.6b     # the full ~0.6B model (slow on a CPU)
   python -m tools.bench.engine --prompt 2048 --decode 64 --repeats 3 --json
   python -m tools.bench.engine --size llama-8b --contexts 2048,8192,32768 --out e.json   # a GPU
-  python -m tools.bench.engine --repeats 0 --interleaved-prefill 3 --arms "paged k4v4"   # TTFT, turns
 
 Per arm and context: TTFT (the prompt in chunks of --prefill-step, evaluated after each
 chunk as mlx-lm's generate_step does, through the first token's argmax; prefill tokens/s
 is the prompt over it; the chunks' own times are kept), decode tokens/s at that context
 (greedy, one token per step, evaluated every step; median over segments of 4), with
---interleaved-prefill N also TTFT with the arms taking turns, one whole prefill each per
-round (ratios within rounds), with --interleaved N also every arm side by side, one step each per round (load from other
+--interleaved N also every arm side by side, one step each per round (load from other
 processes then falls on all arms alike: the fairer ratio on a shared CPU), the same
 overlapped as mlx-lm's generate_step runs it (the next step built and launched before this
 one's token is read; another --decode tokens), the Python
@@ -233,49 +231,6 @@ def interleaved_decode(model, factories: dict, prompt: mx.array, rounds: int, st
     return out
 
 
-def interleaved_prefill(model, factories: dict, prompt: mx.array, rounds: int, step: int) -> dict:
-    """Prefill TTFT with the arms taking turns: each round prefills the whole prompt once
-    into a fresh cache of every arm (the first arm moves by one each round, so no arm is
-    always first or last), evaluated chunk by chunk through the first token's argmax as
-    measure() does. Per arm: the median TTFT, the median over rounds of KVCache's TTFT
-    over the arm's (its speed ratio within a round: above 1 is faster) and each round's
-    TTFT and chunk times; per round the load average when it began. Arms that raise are
-    left out with their error."""
-    names, out = list(factories), {}
-    for name in list(names):  # warm: every arm's graphs and compiled encoders once
-        try:
-            prefill(model, factories[name](), prompt[:min(prompt.size, 64)], 64)
-        except Exception as error:  # an arm that cannot run is a result
-            out[name] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
-            names.remove(name)
-    times = {name: [] for name in names}
-    chunks = {name: [] for name in names}
-    loads = []
-    for index in range(rounds):
-        loads.append(open("/proc/loadavg").read().split()[:3])
-        order = names[index % len(names):] + names[:index % len(names)]
-        for name in order:
-            cache, chunk_s = factories[name](), []
-            began = time.perf_counter()
-            token = prefill(model, cache, prompt, step, chunk_s).argmax()
-            mx.eval(token)
-            times[name].append(time.perf_counter() - began)
-            chunks[name].append([round(t * 1e3, 1) for t in chunk_s])
-            del cache
-            mx.clear_cache()
-            print(f"  interleaved prefill round {index + 1}/{rounds}: {name} "
-                  f"{times[name][-1] * 1e3:.0f} ms (load {' '.join(loads[-1])})", file=sys.stderr, flush=True)
-    base = times[BASELINE]
-    for name in names:
-        out[name] = {"ttft_ms": statistics.median(times[name]) * 1e3,
-                     "x_kvcache_within_rounds": statistics.median(
-                         b / t for b, t in zip(base, times[name], strict=True)),
-                     "rounds_ms": [round(t * 1e3, 1) for t in times[name]],
-                     "chunk_ms": chunks[name]}
-    out["loadavg_per_round"] = loads
-    return out
-
-
 def table(results: dict, baseline: str) -> str:
     """Markdown rows; TTFT "x" is KVCache's TTFT over the arm's (above 1: faster)."""
     base = results[baseline]
@@ -328,16 +283,12 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-step", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="rounds over all arms; medians (0: only the --interleaved modes)")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds over all arms; medians")
     parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     parser.add_argument("--out", default=None, help="also write the JSON here, after each context")
     parser.add_argument("--interleaved", type=int, default=0, metavar="ROUNDS",
                         help="also decode all arms side by side for ROUNDS rounds, one step of "
                              "each per round (a fairer ratio on a shared machine)")
-    parser.add_argument("--interleaved-prefill", type=int, default=0, metavar="ROUNDS",
-                        help="also prefill the prompt into every arm in turn for ROUNDS rounds "
-                             "(TTFT ratios within rounds; with --repeats 0 only this)")
     parser.add_argument("--profile", action="store_true",
                         help="add each arm's cProfile of decode-step graph building (decode_build_profile)")
     args = parser.parse_args(argv)
@@ -350,7 +301,7 @@ def main(argv=None) -> int:
     model, params = build_model(size, dtype)
     report = {"size": size, "params": params, "decode": decode, "dtype": args.dtype,
               "prefill_step": args.prefill_step, "block_size": args.block_size,
-              "device": str(mx.default_device()), "machine": machine_line(), "contexts": {}}
+              "device": str(mx.default_device()), "contexts": {}}
     all_arms = arms(model, args.block_size)
     wanted = set(args.arms.split(",")) | {BASELINE} if args.arms else set(all_arms)
     unknown = wanted - set(all_arms)
@@ -373,14 +324,6 @@ def main(argv=None) -> int:
                           file=sys.stderr, flush=True)
                     mx.clear_cache()
             report["contexts"][context] = {name: median_result(runs) for name, runs in samples.items()}
-            if args.interleaved_prefill:
-                chosen = {name: f for name, f in all_arms.items() if name in wanted}
-                report.setdefault("interleaved_prefill", {})[context] = interleaved_prefill(
-                    model, chosen, prompt, args.interleaved_prefill, args.prefill_step)
-                mx.clear_cache()
-                if args.out:
-                    with open(args.out, "w") as handle:
-                        json.dump(report, handle, indent=2)
             if args.interleaved:
                 chosen = {name: f for name, f in all_arms.items() if name in wanted}
                 report.setdefault("interleaved_decode", {})[context] = interleaved_decode(
@@ -403,17 +346,7 @@ def main(argv=None) -> int:
           f"tokens, median of {args.repeats} round(s)\n\n{machine_line()}\n")
     for context, results in report["contexts"].items():
         print(f"### context {context} tokens\n")
-        if results:
-            print(table(results, BASELINE) + "\n")
-        side = report.get("interleaved_prefill", {}).get(context)
-        if side:
-            print(f"interleaved prefill, {args.interleaved_prefill} rounds (median TTFT ms; x KVCache "
-                  f"speed within rounds; load per round {side['loadavg_per_round']}):\n")
-            for name, r in side.items():
-                if name != "loadavg_per_round":
-                    print(f"- {name}: " + (r["error"] if "error" in r else
-                          f"{r['ttft_ms']:.0f} ms, {r['x_kvcache_within_rounds']:.2f}x, rounds {r['rounds_ms']}"))
-            print()
+        print(table(results, BASELINE) + "\n")
         side = report.get("interleaved_decode", {}).get(context)
         if side:
             print(f"interleaved decode, {args.interleaved} rounds (median step ms; x KVCache "
