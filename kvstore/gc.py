@@ -64,6 +64,7 @@ import fcntl
 import json
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from kvstore import faults, fileio
@@ -324,6 +325,20 @@ def compaction_candidates(index: StoreIndex, compact_below: float, *,
     return out
 
 
+@contextmanager
+def segment_writer(store):
+    """The writer lock of <store>/segments.lock (docs/format.md section 10): the same
+    exclusive flock put_pages holds from reading the committed tails to its index
+    commit. flock locks belong to open files, so a save on another thread of this
+    process waits for it too."""
+    fd = fileio.open_lock(store.path / "segments.lock")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def compact_segment(store, segment: int, compact_below: float = 1.0) -> CompactionResult | None:
     """Copy the live records of `segment` to the append position and retire it (the
     module docstring). Re-examined under the writer lock: None, changing nothing, when
@@ -331,7 +346,7 @@ def compact_segment(store, segment: int, compact_below: float = 1.0) -> Compacti
     compact_below. Raises what the appends and syncs raise (StoreFull, StoreIOError):
     nothing is then rebound, and the copies are unreachable bytes past the tail."""
     files = store.index.segments
-    with store.segment_writer():
+    with segment_writer(store):
         with store.index.read() as index:
             tails = index.segment_tails()
             if (segment not in tails or segment == max(tails)

@@ -311,7 +311,7 @@ class Store:
     def _put_batch(self, batch: list, policy: Compression) -> tuple[int, int, int]:
         """One batch: under the writer lock, append the absent pages' records, sync them,
         then one index commit of their locations and the segments' new tails."""
-        with self.segment_writer():
+        with self._segment_writer():
             with self.index.read() as index:
                 present = {d for (d, _), _ in batch if index.has_page(d)}
                 tails = index.segment_tails()
@@ -351,11 +351,10 @@ class Store:
             return n, e + len(present) + dups, s
 
     @contextmanager
-    def segment_writer(self):
+    def _segment_writer(self):
         """One appender at a time: this process's threads (a lock), and other processes
         (an exclusive flock on <store>/segments.lock, opened per save, so a forked child
-        never shares the parent's lock). Held by put_pages from reading the committed
-        tails to its index commit, and by GC's compaction (kvstore/gc.py)."""
+        never shares the parent's lock)."""
         with self._writer_lock:
             fd = fileio.open_lock(self.path / "segments.lock")
             try:
