@@ -76,10 +76,11 @@ class PagedKVCache:
         self.dtype: mx.Dtype | None = None  # the model's K/V dtype, seen at the first write
         self._blocks: list[int] = []  # host-side block table
         self._table: mx.array | None = None  # device copy, rebuilt when the table changes
-        # the last update's keys and values as given (unrotated, full precision) while the
-        # router is to attend: a prefill chunk's attention reads its own tokens from them
-        # (kernels/prefill.py) and takes them, so a chunk's K/V live only from this layer's
-        # update to its attention, as they would without the engine
+        # the last update's keys and values as given while the router is to attend, for
+        # native pages only (bit for bit what the pages hold): a prefill chunk's attention
+        # takes them instead of gathering its own blocks (kernels/prefill.py), so they live
+        # only from this layer's update to its attention. Packed pages keep none: a chunk
+        # reads its own tokens back quantized, as every later reader will (chunk-invariant)
         self._fresh: tuple[mx.array, mx.array, int] | None = None  # (keys, values, offset after)
         self._checked: tuple | None = None  # the last input shapes and dtypes _check_input passed
         # A dropped cache gives its blocks back, like a dropped KVCache frees its arrays.
@@ -98,7 +99,7 @@ class PagedKVCache:
         self.offset = stop
         self.dtype = keys.dtype
         if self.routed_by and all(name in ROUTED_MODULES for name in self.routed_by):
-            self._fresh = (keys, values, stop)
+            self._fresh = None if self.spec.format.packed else (keys, values, stop)
             return NOT_FETCHED, NOT_FETCHED
         self._fresh = None  # the model attends over the fetched history itself
         return self.keys_and_values()
@@ -205,8 +206,9 @@ class PagedKVCache:
 
     def take_fresh_tokens(self, num_queries: int) -> tuple[mx.array, mx.array] | None:
         """The keys and values [1, Hkv, L, D] of the last routed update when it wrote
-        exactly the num_queries newest tokens (a prefill chunk attending now), else None.
-        Taken: a second call returns None."""
+        exactly the num_queries newest tokens (a prefill chunk attending now) into native
+        pages, else None (always for packed pages: see _fresh). Taken: a second call
+        returns None."""
         fresh, self._fresh = self._fresh, None
         if fresh is None or fresh[0].shape[2] != num_queries or fresh[2] != self.offset:
             return None

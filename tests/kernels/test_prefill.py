@@ -1,5 +1,6 @@
 """The prefill path ("dequantized", kernels/prefill.py) against the reference over the same
-pages, its fresh-token input, its dispatch, and its workspace estimate. Runs everywhere."""
+pages, its fresh-token input (native pages only: packed chunks are read back from their
+pages), its dispatch, and its workspace estimate. Runs everywhere."""
 
 from __future__ import annotations
 
@@ -62,6 +63,20 @@ def test_fresh_tokens_are_the_chunk_itself():
     assert max_error(fresh, paged) == 0
     shifted = run(case, "dequantized", fresh=(keys[:, :, 279:299], values[:, :, 279:299]), **options)
     assert max_error(shifted, paged) > 0
+
+
+@pytest.mark.parametrize("name", ["k4v4-rot", "k8v4", "k8v8"])
+def test_packed_pages_read_the_chunk_back_whatever_fresh_says(name):
+    """Packed pages never attend to the chunk's K/V as handed in: the output with the
+    chunk's exact (unquantized) K/V, or with any other arrays, is the output read from
+    the pages (tolerance 0), so a packed chunk sees what every later reader sees."""
+    case = make_case(name, head_dim=128, n_kv_heads=2, gqa=2, block_size=16, context_lens=[300],
+                     num_queries=20)
+    options = dict(scale=128 ** -0.5, mask="causal")
+    paged = run(case, "dequantized", **options)
+    rng = mx.random.key(5)
+    exact = (mx.random.normal((1, 2, 20, 128), key=rng).astype(case.queries.dtype),) * 2
+    assert mx.array_equal(run(case, "dequantized", fresh=exact, **options), paged).item()
 
 
 def test_prefill_chunks_on_a_gpu_take_the_dequantized_path(monkeypatch):
