@@ -59,7 +59,15 @@ SIZES = {
                 intermediate_size=2048, vocab_size=4096),
     "quick": dict(hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=64,
                   intermediate_size=1024, vocab_size=2048),
+    # the 8b shape at 1/8 width and 1/16 depth: a CPU rehearsal of the GPU run's driver
+    "8b-rehearsal": dict(hidden_size=512, num_layers=2, num_heads=4, num_kv_heads=1,
+                         head_dim=128, intermediate_size=1792, vocab_size=4096),
 }
+# How a size's weights are written: the 8B-shaped one in bfloat16 (as Llama-3-8B ships),
+# generated on MLX's default device and saved shard by shard (model_dir.write_model's
+# lazy: 14 GB written without first holding the model in float32); the others as before.
+BUILD = {"8b": dict(dtype="bfloat16", lazy=True),
+         "8b-rehearsal": dict(dtype="bfloat16", lazy=True)}
 
 
 def _client(server):
@@ -139,8 +147,20 @@ def throughput(server, clients: int, system_words: int, max_tokens: int, round_:
     return sum(done) / (time.perf_counter() - start), sum(done)
 
 
+def _warm_start(server) -> float:
+    """Seconds of one short unrelated request (a 2-word system prompt, 1 token): it
+    waits out the model load that mlx-lm runs on its generation thread after /health
+    answers, and MLX's first-use kernel compilation; both arms pay it alike."""
+    start = time.perf_counter()
+    _client(server).chat.completions.create(
+        model="default_model", messages=_messages(2, "warm", seed=99), temperature=0,
+        max_tokens=1)
+    return time.perf_counter() - start
+
+
 def run(size: str, contexts: list[int], repeats: int, clients: int, max_tokens: int,
-        work: Path, rounds: int, model_dir: Path | None = None) -> dict:
+        work: Path, rounds: int, model_dir: Path | None = None,
+        warm_start: bool = False) -> dict:
     from tools.bench.server_process import serve_model, server_env, stock_server
 
     load_start = load_average()
@@ -149,8 +169,11 @@ def run(size: str, contexts: list[int], repeats: int, clients: int, max_tokens: 
     env = server_env(work / "hf")
     sizes = dict(SIZES[size])
     model = model_dir or work / f"bench-{size}"
-    if not (model / "config.json").exists():  # an 8B-shaped build writes 16 GB: reuse it
-        build_model_dir(model, vocab_size=sizes.pop("vocab_size"), **sizes)
+    if not (model / "config.json").exists():  # an 8B-shaped build writes 14 GB: reuse it
+        start = time.perf_counter()
+        build_model_dir(model, vocab_size=sizes.pop("vocab_size"), **sizes, **BUILD.get(size, {}))
+        _progress(f"model directory {model} built in {time.perf_counter() - start:.1f} s "
+                  f"({sum(f.stat().st_size for f in model.iterdir()) / 1e9:.2f} GB)")
     logs = work / "logs"
     logs.mkdir()
     rows = []
@@ -159,24 +182,46 @@ def run(size: str, contexts: list[int], repeats: int, clients: int, max_tokens: 
         words = int(context / per_word)
         warm, turn = _messages(words, "first question"), _messages(words, "second question")
         stock_s, served_s, prompt, cached = [], [], 0, 0
+        warmups = {"stock": [], "served": []}
         filled = work / f"store-{context}-filled"
         with serve_model(model, env, logs / "fill.log", "--store", str(filled)) as server:
             ttft(server, warm)  # publishes the system prompt; SIGINT drains it
+        _progress(f"{context}: store filled ({sum(f.stat().st_size for f in filled.rglob('*') if f.is_file()) / 1e6:.0f} MB)")
         for _ in range(repeats):
+            began = time.perf_counter()
             with stock_server(model, env, logs / "stock.log") as server:
+                up = time.perf_counter() - began
+                if warm_start:
+                    warmups["stock"].append(_warm_start(server))
                 seconds, prompt, _ = ttft(server, turn)
             stock_s.append(seconds)
-            _progress(f"{context}: stock TTFT {seconds:.3f} s")
+            _progress(f"{context}: stock TTFT {seconds:.3f} s (up in {up:.1f} s"
+                      + (f", warm-up {warmups['stock'][-1]:.2f} s)" if warm_start else ")"))
             fresh = work / f"store-{context}-{len(served_s)}"
             shutil.copytree(filled, fresh)  # each restart finds the store the fill left
+            began = time.perf_counter()
             with serve_model(model, env, logs / "served.log", "--store", str(fresh)) as server:
+                up = time.perf_counter() - began
+                if warm_start:
+                    warmups["served"].append(_warm_start(server))
                 seconds, prompt, cached = ttft(server, turn)
             served_s.append(seconds)
-            _progress(f"{context}: serve-model TTFT {seconds:.3f} s, {cached} cached")
+            _progress(f"{context}: serve-model TTFT {seconds:.3f} s, {cached} cached (up in "
+                      f"{up:.1f} s" + (f", warm-up {warmups['served'][-1]:.2f} s)" if warm_start
+                                       else ")"))
         rows.append({"context_tokens": prompt, "cached_tokens": cached,
                      "stock_ttft_s": statistics.median(stock_s),
                      "serve_model_ttft_s": statistics.median(served_s),
-                     "speedup": statistics.median(stock_s) / statistics.median(served_s)})
+                     "speedup": statistics.median(stock_s) / statistics.median(served_s),
+                     "stock_ttft_all_s": stock_s, "serve_model_ttft_all_s": served_s,
+                     "warm_start_s": warmups if warm_start else None})
+    result = {"size": size, "model": {**SIZES[size], **BUILD.get(size, {})}, "repeats": repeats,
+              "warm_start": warm_start,
+              "ttft": rows, "load_average": {"start": load_start, "end": None},
+              "throughput": None}
+    if rounds == 0:  # TTFT only
+        result["load_average"]["end"] = load_average()
+        return result
     words = int(256 / per_word)
     tps = {"stock": [], "served": []}
     cpu = {"stock": 0.0, "served": 0.0}
@@ -202,9 +247,8 @@ def run(size: str, contexts: list[int], repeats: int, clients: int, max_tokens: 
         cpu["served"] += served_cpu_tail
     ratios = [b / a for a, b in zip(tps["stock"], tps["served"], strict=True)]
     cpu_per_token = {k: cpu[k] / tokens[k] if tokens[k] else float("nan") for k in cpu}
-    return {"size": size, "model": SIZES[size], "repeats": repeats, "ttft": rows,
-            "load_average": {"start": load_start, "end": load_average()},
-            "throughput": {"clients": clients, "prompt_tokens": 256, "max_tokens": max_tokens,
+    result["load_average"]["end"] = load_average()
+    return {**result, "throughput": {"clients": clients, "prompt_tokens": 256, "max_tokens": max_tokens,
                            "rounds": len(ratios),
                            "stock_tokens_per_s": statistics.median(tps["stock"]),
                            "serve_model_tokens_per_s": statistics.median(tps["served"]),
@@ -244,7 +288,12 @@ def main(argv=None) -> int:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=None,
-                        help="interleaved throughput rounds [default: 6, --quick 4]")
+                        help="interleaved throughput rounds [default: 6, --quick 4; 0: "
+                             "TTFT only]")
+    parser.add_argument("--warm-start", action="store_true",
+                        help="after each restart, one short unrelated request before the "
+                             "timed one (waits out the model load and first-use kernel "
+                             "compilation, which both arms pay): TTFT of the prompt alone")
     parser.add_argument("--json", default=None)
     parser.add_argument("--model-dir", default=None, type=Path,
                         help="build the model directory here and reuse it if it is there "
@@ -255,7 +304,8 @@ def main(argv=None) -> int:
     repeats = args.repeats or (1 if args.quick else 3)
     with tempfile.TemporaryDirectory(prefix="bench-server-") as work:
         result = run(size, contexts, repeats, args.clients, args.max_tokens, Path(work),
-                     args.rounds or (4 if args.quick else 6), args.model_dir)
+                     (4 if args.quick else 6) if args.rounds is None else args.rounds,
+                     args.model_dir, args.warm_start)
     print(render(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
@@ -266,13 +316,17 @@ def render(result: dict) -> str:
     m = result["model"]
     lines = [f"## serve-model vs stock mlx_lm.server (size {result['size']}: {m['num_layers']} "
              f"layers, hidden {m['hidden_size']}, {m['num_kv_heads']} KV heads of {m['head_dim']}; "
-             f"median of {result['repeats']})", "",
+             f"median of {result['repeats']}"
+             + ("; each timed request after one short warm-up request" if result.get("warm_start") else "")
+             + ")", "",
              "| prompt tokens | cached after restart | stock TTFT | serve-model TTFT | stock / serve-model |",
              "|---:|---:|---:|---:|---:|"]
     for r in result["ttft"]:
         lines.append(f"| {r['context_tokens']} | {r['cached_tokens']} | {r['stock_ttft_s']:.3f} s "
                      f"| {r['serve_model_ttft_s']:.3f} s | {r['speedup']:.1f}x |")
     t = result["throughput"]
+    if t is None:
+        return "\n".join([*lines, "", "(throughput not measured: --rounds 0)", ""])
     lines += ["", f"Throughput, {t['clients']} concurrent clients, distinct ~{t['prompt_tokens']}-token "
               f"prompts, {t['max_tokens']} tokens each, nothing cached; medians of "
               f"{t['rounds']} interleaved rounds (ABBA; the ratio is the median of per-round "

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Issue 21's H200 figure: tools/bench/server.py (stock mlx_lm.server against
+# `kvstore serve-model` with the store: TTFT after a restart, throughput of 4 concurrent
+# clients uncached) with the 8B-shaped model, in one device call. Run from the repository
+# root; results and logs go to $OUT.
+#
+# Two calls, back to back (the machine forgets everything about 30 s after a call; 64 MiB
+# carried per call, tree included, so the wheels travel in two halves):
+#   1. carry [".whl/a", ".whl/kt"]:
+#        mkdir -p /root/p && cp .whl/a/part00 /root/p/ && python3 -m pip install -q \
+#          --no-index --no-deps --no-compile --target /root/kt .whl/kt/*.whl
+#   2. carry [".whl/b", ".whl/kv"]:
+#        bash tools/bench/profile/issue21_h200.sh
+# .whl/kt: transformers, pydantic, pygments; .whl/kv: tokenizers, openai, huggingface_hub,
+# httpx, typer, xxhash 4.x and the rest of their pure-Python dependencies (numpy is the
+# image's); MLX from .whl/b (../shared/gpu/README.md).
+#
+# Locally (a CPU rehearsal of the same steps on a small model, PYTHONPATH already set):
+#   ISSUE21_NO_INSTALL=1 SIZE=8b-rehearsal OUT=/tmp/i21 bash tools/bench/profile/issue21_h200.sh
+#
+# Settings (environment): SIZE (8b), REPEATS (3), ROUNDS (4), T2K and TW (timeouts in s of
+# the 2K run, which also measures throughput, and of the warm-start 2K + 8K run; 0 skips).
+set -u
+export PYTHONUNBUFFERED=1
+SIZE=${SIZE:-8b}
+REPEATS=${REPEATS:-3}
+ROUNDS=${ROUNDS:-4}
+T2K=${T2K:-200}
+TW=${TW:-200}
+OUT=${OUT:-/tmp/issue21}
+mkdir -p "$OUT"
+began=$(date +%s)
+say() { echo "[$(date -u +%H:%M:%S) +$(( $(date +%s) - began ))s] $*" | tee -a "$OUT/driver.log"; }
+
+if [ -z "${ISSUE21_NO_INSTALL:-}" ]; then
+  test -f /root/p/part00 || { say "COLD: /root/p/part00 missing (run call 1 first)"; exit 3; }
+  test -d /root/kt/transformers || { say "COLD: /root/kt missing (run call 1 first)"; exit 3; }
+  bash .whl/b/install-on-device.sh >> "$OUT/install.log" 2>&1 || { say "MLX install failed"; exit 3; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /root/kv .whl/kv/*.whl \
+    >> "$OUT/install.log" 2>&1 || { say "pip install of .whl/kv failed"; exit 3; }
+  export PYTHONPATH=/root/site:/root/kv:/root/kt:$PWD
+fi
+say "installed"
+{
+  nvidia-smi -L 2>&1
+  python3 -c "import sys, mlx.core as mx, transformers, tokenizers, openai, xxhash, mlx_lm; \
+print(sys.version.split()[0], 'mlx', mx.__version__, mx.default_device(), 'mlx_lm', mlx_lm.__version__, \
+'transformers', transformers.__version__, 'tokenizers', tokenizers.__version__, \
+'openai', openai.__version__, 'xxhash', xxhash.VERSION)" 2>&1 | grep -v PyTorch
+  nproc; free -g; df -h /dev/shm /tmp
+} > "$OUT/device.txt" 2>&1
+cat "$OUT/device.txt"
+
+# the model directory in RAM when there is room for it (14 GB for 8b), else under /tmp
+need_gb=$([ "$SIZE" = 8b ] && echo 20 || echo 1)
+shm_gb=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
+if [ -n "$shm_gb" ] && [ "$shm_gb" -ge "$need_gb" ]; then MODEL=/dev/shm/issue21-$SIZE
+elif [ -z "${ISSUE21_NO_INSTALL:-}" ] && mkdir -p /root/ram \
+    && mount -t tmpfs -o size=$((need_gb + 2))G tmpfs /root/ram 2>> "$OUT/device.txt"; then
+  MODEL=/root/ram/issue21-$SIZE
+else MODEL=/tmp/issue21-$SIZE; fi
+say "model directory $MODEL"
+
+bench() {  # name, timeout, args...
+  local name=$1 limit=$2; shift 2
+  [ "$limit" -gt 0 ] || { say "$name skipped"; return; }
+  say "$name: start (limit ${limit}s)"
+  timeout "$limit" python3 -m tools.bench.server --size "$SIZE" --model-dir "$MODEL" \
+    --repeats "$REPEATS" --json "$OUT/$name.json" "$@" > "$OUT/$name.md" 2> "$OUT/$name.err"
+  local rc=$?
+  say "$name: rc=$rc"
+  grep -v PyTorch "$OUT/$name.err" | tail -n 30
+  cat "$OUT/$name.md"
+}
+# 2K: TTFT after a restart as the CPU bench measures it (the first request after /health,
+# which waits for the model load), and throughput; then 2K and 8K with one warm-up
+# request before the timed one (the prompt's own TTFT)
+bench server_${SIZE}_2k "$T2K" --contexts 2048 --rounds "$ROUNDS"
+bench server_${SIZE}_warm "$TW" --contexts 2048,8192 --rounds 0 --warm-start
+ls -la "$MODEL" > "$OUT/model_dir.txt" 2>&1
+rm -rf "$MODEL"
+say "done"
