@@ -6,11 +6,15 @@
 #
 # Two calls, back to back (the machine forgets everything about 30 s after a call; 64 MiB
 # carried per call, tree included, so the wheels travel in two halves):
-#   1. carry [".whl/a", ".whl/kt"]:
-#        mkdir -p /root/p && cp .whl/a/part00 /root/p/ && python3 -m pip install -q \
-#          --no-index --no-deps --no-compile --target /root/kt .whl/kt/*.whl
+#   1. carry [".whl/a", ".whl/kt", "build/issue21-tree.tar.gz"]:
+#        mkdir -p /root/p /root/clean && cp .whl/a/part00 /root/p/ && python3 -m pip install \
+#          -q --no-index --no-deps --no-compile --target /root/kt .whl/kt/*.whl \
+#          && tar xzf build/issue21-tree.tar.gz -C /root/clean
 #   2. carry [".whl/b", ".whl/kv"]:
-#        bash tools/bench/profile/issue21_h200.sh
+#        WHL=$PWD/.whl; cd /root/clean && WHL=$WHL bash tools/bench/profile/issue21_h200.sh
+# build/issue21-tree.tar.gz is the committed code only (git archive --format=tar HEAD kvstore
+# engine kernels api tools pyproject.toml | gzip -9): the working tree the device gets also
+# carries other people's uncommitted edits. Without it, run step 2's script in place.
 # .whl/kt: transformers, pydantic, pygments; .whl/kv: tokenizers, openai, huggingface_hub,
 # httpx, typer, xxhash 4.x and the rest of their pure-Python dependencies (numpy is the
 # image's); MLX from .whl/b (../shared/gpu/README.md).
@@ -35,8 +39,10 @@ say() { echo "[$(date -u +%H:%M:%S) +$(( $(date +%s) - began ))s] $*" | tee -a "
 if [ -z "${ISSUE21_NO_INSTALL:-}" ]; then
   test -f /root/p/part00 || { say "COLD: /root/p/part00 missing (run call 1 first)"; exit 3; }
   test -d /root/kt/transformers || { say "COLD: /root/kt missing (run call 1 first)"; exit 3; }
-  bash .whl/b/install-on-device.sh >> "$OUT/install.log" 2>&1 || { say "MLX install failed"; exit 3; }
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /root/kv .whl/kv/*.whl \
+  WHL=${WHL:-$PWD/.whl}
+  (cd "$WHL/.." && bash .whl/b/install-on-device.sh) >> "$OUT/install.log" 2>&1 \
+    || { say "MLX install failed"; exit 3; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /root/kv "$WHL"/kv/*.whl \
     >> "$OUT/install.log" 2>&1 || { say "pip install of .whl/kv failed"; exit 3; }
   export PYTHONPATH=/root/site:/root/kv:/root/kt:$PWD
 fi
