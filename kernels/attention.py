@@ -16,7 +16,9 @@ array masks go to "reference"; "quantized" goes to "partitioned" for native page
 sizes mx.quantized_matmul does not take; more than KERNEL_MAX_QUERIES queries go from "cuda"/"metal"
 to "dequantized" (prefill chunks on a GPU; "partitioned" where it does not serve: batches,
 windows), a shape the kernels do not serve to "partitioned"; on CUDA, packed pages with
-fp16/bf16 queries take the tensor-core split kernel. Forcing a kernel whose backend is
+fp16/bf16 queries take the tensor-core split kernel, and native fp16/bf16 pages (blocks of
+a multiple of 16 tokens) the tensor-core kernel for 16-bit pages (direct.cuda_kernel_for;
+DirectTuning.native_mma, KVSTORE_DIRECT_NATIVE_MMA=0 turns it off). Forcing a kernel whose backend is
 absent raises BackendUnavailable. This module is the whole rule; kernels/direct.py plans
 the kernels' launches, kernels/cuda.py and kernels/metal.py run them.
 """
@@ -32,8 +34,8 @@ from kernels import cuda, metal, prefill, quantized_attention
 from kernels.call import PagedAttentionCall
 from kernels.direct import (
     ROWS_PER_BLOCK,
+    cuda_kernel_for,
     kernel_supports,
-    mma_serves,
     plan_launch,
     split_count,
 )
@@ -146,9 +148,7 @@ def attend(call: PagedAttentionCall, *, impl: str | None = None, partition_token
         return quantized_attention.quantized_attention(call, partition_tokens=partition_tokens)
     if chosen == "metal":
         return metal.launch(plan_launch(call, tuning))
-    tensor_cores = call.layout.packed and mma_serves(
-        call.layout, call.k_head_dim, call.v_head_dim, call.queries.dtype, tuning)
-    return cuda.launch(plan_launch(call, tuning, kernel="mma" if tensor_cores else "lane"))
+    return cuda.launch(plan_launch(call, tuning, kernel=cuda_kernel_for(call, tuning)))
 
 
 def workspace_nbytes(
@@ -174,7 +174,8 @@ def workspace_nbytes(
     partitioned: the same for one partition of partition_tokens, plus the running triple;
                  on a GPU, every partition's (see below).
     cuda/metal:  the split-K partials [Hq, L, splits, Dv + 2] float32 and the rotated queries
-                 (splits as tuning plans them; None: environment_tuning()).
+                 (splits as tuning plans them, the most any of the kernels the call may take
+                 plans; None: environment_tuning()).
     dequantized: the whole history in the model dtype (kernels/prefill.py's estimate).
     quantized:   one partition's gathered pages and score-sized temporaries
                  (kernels/quantized_attention.py's estimate; unserved layouts: partitioned).
@@ -189,15 +190,19 @@ def workspace_nbytes(
     triple = rows * (v_head_dim + 2) * 4
     if impl in ("cuda", "metal"):
         tuning = tuning or environment_tuning()
-        # the lane-group kernel's splits, or (CUDA, packed pages) the tensor-core kernel's,
-        # whichever is larger: the query dtype that picks between them is not known here
+        # the lane-group kernel's splits, or (CUDA) the tensor-core kernel's for packed or
+        # native pages, whichever is larger: the query and page dtypes that pick between
+        # them are not known here
         group_rows = num_queries * (n_q_heads // n_kv_heads)
         splits = split_count(1, n_kv_heads, math.ceil(group_rows / ROWS_PER_BLOCK), context_len,
                              tuning.target_blocks)
+        mma_chunks = math.ceil(group_rows / (16 if group_rows > 8 and k_head_dim <= 128 else 8))
         if impl == "cuda" and layout.packed:
-            mma_chunks = math.ceil(group_rows / (16 if group_rows > 8 and k_head_dim <= 128 else 8))
             splits = max(splits, split_count(1, n_kv_heads, mma_chunks, context_len + 16,
                                              tuning.mma_target_blocks))
+        elif impl == "cuda" and tuning.native_mma:
+            splits = max(splits, split_count(1, n_kv_heads, mma_chunks, context_len + 16,
+                                             tuning.native_target_blocks))
         return queries_f32 + rows * splits * (v_head_dim + 2) * 4
 
     def expansion(tokens: int) -> int:

@@ -127,25 +127,11 @@ def native_slot_nbytes(head_dim: int) -> int:
     return 2 * 16 * head_dim * 2
 
 
-@lru_cache(maxsize=1)
-def _cuda_backend() -> bool:
-    try:
-        return bool(mx.cuda.is_available())
-    except AttributeError:
-        return False
-
-
 def plan_launch(call: PagedAttentionCall, tuning: DirectTuning, kernel: str = "lane") -> LaunchPlan:
-    """The launch of one call on `kernel` ("lane", "mma" or "mma_native"). Opt-in
-    (tuning.native_mma, off by default): on CUDA a "lane" call over native pages that
-    native_mma_serves takes "mma_native". kernels/attention.py asks for "lane" for every
-    native call and is meant to make this choice itself (docs/kernels.md); until it does, the
-    switch sits here, where the Metal port (lane-group kernel only) cannot reach it.
-    Everything but the input arrays is cached by shape, dtype, lengths, options and tuning:
-    every layer of a decode step shares one plan, so the Python work per layer is a
-    dictionary lookup and two kernel calls."""
-    if kernel == "lane" and tuning.native_mma and _cuda_backend() and _native_serves(call, tuning):
-        kernel = "mma_native"
+    """The launch of one call on `kernel` ("lane", "mma" or "mma_native"), which
+    kernels/attention.py picks (cuda_kernel_for). Everything but the input arrays is cached by
+    shape, dtype, lengths, options and tuning: every layer of a decode step shares one plan, so
+    the Python work per layer is a dictionary lookup, a shallow copy and the kernel calls."""
     plane_arrays = [call.planes[name] for name in call.layout.plane_names]
     key = (
         tuple(call.queries.shape), call.queries.dtype,
@@ -160,10 +146,9 @@ def plan_launch(call: PagedAttentionCall, tuning: DirectTuning, kernel: str = "l
         build = {"mma": _build_mma_plan, "mma_native": _build_native_mma_plan}.get(kernel, _build_plan)
         cached = _PLANS[key] = build(call, tuning)
     signs = rotation_signs(call.k_head_dim, call.layout.rotation_seed)
-    return replace(
-        cached,
-        split_inputs=[call.queries, signs, *plane_arrays, _as(call.block_tables, mx.int32), cached.meta],
-        sinks=_as(call.sinks, mx.float32) if call.sinks is not None else _no_sinks(),
+    return cached.with_inputs(
+        [call.queries, signs, *plane_arrays, _as(call.block_tables, mx.int32), cached.meta],
+        _as(call.sinks, mx.float32) if call.sinks is not None else _no_sinks(),
     )
 
 
@@ -345,6 +330,18 @@ def raw_codes_serve(layout: PageLayout, head_dim: int, stages: int, tuning: Dire
     return (tuning.mma_raw and stages > 0 and head_dim <= 128
             and layout.group_size * layout.k_bits >= 128
             and layout.group_size * layout.v_bits >= 256)
+
+
+def cuda_kernel_for(call: PagedAttentionCall, tuning: DirectTuning) -> str:
+    """The CUDA split kernel of a call the direct kernels serve: "mma" for packed pages with
+    fp16/bf16 queries (mma_serves), "mma_native" for native fp16/bf16 pages (native_mma_serves:
+    the default, measured at 1.00x dense SDPA at 32K on the H200 against the lane-group
+    kernel's 0.85x, docs/kernels.md), else "lane"."""
+    layout = call.layout
+    if layout.packed:
+        return "mma" if mma_serves(layout, call.k_head_dim, call.v_head_dim, call.queries.dtype,
+                                   tuning) else "lane"
+    return "mma_native" if _native_serves(call, tuning) else "lane"
 
 
 def _native_serves(call: PagedAttentionCall, tuning: DirectTuning) -> bool:

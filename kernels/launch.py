@@ -59,6 +59,16 @@ class LaunchPlan:
     shared_memory: int = 0  # dynamic shared bytes of the split kernel (0: static only)
     min_blocks: int = 0  # > 0: the split kernel's __launch_bounds__ minimum blocks per SM
 
+    def with_inputs(self, split_inputs: list, sinks: mx.array) -> LaunchPlan:
+        """This plan with one call's arrays: a shallow copy of its attributes (every layer of
+        a decode step takes one; dataclasses.replace re-runs __init__ over every field, which
+        cost ~10 us per layer and step on the H200 host)."""
+        plan = object.__new__(LaunchPlan)
+        plan.__dict__.update(self.__dict__)
+        plan.split_inputs = split_inputs
+        plan.sinks = sinks
+        return plan
+
 
 def run_split_merge(plan: LaunchPlan, split_kernel, merge_kernel) -> mx.array:
     """Split-K partials (output [.., head_dim] and the running max/sum [.., 2], float32),

@@ -79,7 +79,9 @@ def test_tuning_reaches_the_plan():
     ("k4v4-rot-f16", DirectTuning(), "mma"),       # packed, fp16 queries: tensor cores
     ("k4v4-rot-f16", DirectTuning(mma=False), "lane"),
     ("k4v4", DirectTuning(), "mma"),               # bf16 queries
-    ("bf16", DirectTuning(), "lane"),              # native pages
+    ("bf16", DirectTuning(), "mma_native"),        # native 16-bit pages: tensor cores
+    ("bf16", DirectTuning(native_mma=False), "lane"),
+    ("f32", DirectTuning(), "lane"),               # float32 pages keep float32 math
 ])
 def test_attention_picks_the_cuda_kernel(monkeypatch, layout, tuning, kernel):
     """kernels/attention.py alone decides which split kernel a CUDA call runs."""

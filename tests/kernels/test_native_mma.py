@@ -17,7 +17,7 @@ from kernels.tuning import DirectTuning
 from tests.kernels.pages import make_case
 from tests.kernels.test_attention import TOLERANCE, max_error
 
-NATIVE = DirectTuning(native_mma=True)
+NATIVE = DirectTuning()  # native_mma: the default
 
 # Columns: layout, head_dim, GQA ratio, block size, context lengths, queries L, mask, window.
 NATIVE_ROWS = [
@@ -74,9 +74,10 @@ def test_native_mma_plan(tuning):
     slot = 2 * 16 * 64 * 2
     assert template["SMEM"] == plan.shared_memory >= template["STAGES"] * tuning.native_warps * slot
     assert plan.shared_memory > 48000  # MLX opts the kernel in to its dynamic shared memory
-    # the planner substitutes it for a "lane" call on CUDA only (the Metal port has no such kernel)
-    lane = direct.plan_launch(call, tuning, kernel="lane")
-    assert lane.kernel == ("mma_native" if cuda_available() else "lane")
+    # kernels/attention.py picks it for CUDA calls (direct.cuda_kernel_for); the planner plans
+    # the kernel it is asked for (the Metal port asks for "lane")
+    assert direct.cuda_kernel_for(call, tuning) == "mma_native"
+    assert direct.plan_launch(call, tuning, kernel="lane").kernel == "lane"
 
 
 def test_launch_bounds_reach_the_plan():
@@ -112,7 +113,7 @@ def test_native_mma_matches_reference(row, tuning):
     # D = 256 with 8 warps: two ring steps per warp do not fit in shared memory (the lane-group
     # kernel serves it; its launch failed on the H200 before native_mma_serves said so)
     fits = tuning.native_warps * 2 * direct.native_slot_nbytes(row[1]) <= direct.NATIVE_SHARED_BYTES
-    assert direct.plan_launch(call, tuning).kernel == ("mma_native" if fits else "lane")
+    assert direct.cuda_kernel_for(call, tuning) == ("mma_native" if fits else "lane")
     expected = run(case, options, "reference")
     got = run(case, options, "cuda", tuning)
     assert max_error(got, expected) <= TOLERANCE[case.queries.dtype]
