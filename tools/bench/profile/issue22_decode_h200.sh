@@ -1,34 +1,87 @@
 #!/usr/bin/env bash
 # Issue 22 item 3 (decode end to end) on the H200 in one device call, after the two-call
-# install of shared/gpu/README.md: the fused quantize kernel's tests first (one short run,
-# so a compile error shows before anything long), then the kernel and packed-engine tests
-# on CUDA, then tools/bench/engine for the 8B-shaped model at 8K and 32K (KVCache,
-# QuantizedKVCache 4-bit, paged native, paged k4v4, with each arm's decode-step build
-# profile), and k4v4 at 32K once more with the quantize kernel replaced by its mx.compile
-# path (KVSTORE_QUANTIZE_IMPL=compiled, or $SECOND_QUANTIZE_IMPL, e.g. cuda-rotate), to see
-# what the kernel buys. $TEST_PATHS, $ARMS and the *_LIMIT variables narrow a second run.
-# Results go to $OUT.
+# install of shared/gpu/README.md. The benchmark first (the figure that counts), then the
+# tests on CUDA in what is left of the call:
+#   1. tools/bench/engine's measure() for the 8B-shaped model at 8K and 32K, one model build
+#      for every arm (KVCache, QuantizedKVCache 4-bit, paged native with the default kernel
+#      and with the lane-group kernel (KVSTORE_DIRECT_NATIVE_MMA=0), paged k4v4 with the
+#      default quantize-on-write and with cuda-rotate), each arm with its decode-step build
+#      profile, $REPEATS rounds with the arms taking turns; ratios against KVCache of the same
+#      round. JSON to $OUT/engine_h200_llama8b_decode.json.
+#   2. KVSTORE_TEST_IMPLS=cuda pytest of $TEST_PATHS (default: the decode kernels' tests and
+#      tests/engine/test_cache.py), cut at $TEST_LIMIT seconds.
 set -u
 OUT=${OUT:-/tmp/issue22}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi -L > "$OUT/device.txt" 2>&1
-python3 -c "import mlx.core as mx; print(mx.__version__, mx.default_device())" >> "$OUT/device.txt" 2>&1
-timeout 60 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_quantize.py > "$OUT/tests_quantize.txt" 2>&1
-echo "rc=$?" >> "$OUT/tests_quantize.txt"
-tail -3 "$OUT/tests_quantize.txt"
-KVSTORE_TEST_IMPLS=cuda timeout "${TEST_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider -rs \
-  ${TEST_PATHS:-tests/kernels tests/engine/test_packed.py} > "$OUT/tests.txt" 2>&1
+timeout "${BENCH_LIMIT:-300}" python3 - "$OUT" "${CONTEXTS:-8192,32768}" "${REPEATS:-2}" "${VARIANTS:-all}" "${SIZE:-llama-8b}" \
+  > "$OUT/bench.md" 2> "$OUT/bench.err" <<'EOF'
+import json, os, statistics, sys, time
+import mlx.core as mx
+from engine import KVPolicy, installed, make_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from tools.bench import engine as bench
+
+out, contexts, repeats, variants, size = sys.argv[1], [int(c) for c in sys.argv[2].split(",")], int(sys.argv[3]), sys.argv[4], sys.argv[5]
+began = time.time()
+model, params = bench.build_model(size, mx.bfloat16)
+print(f"model built in {time.time() - began:.1f} s ({params / 1e9:.2f}B)", file=sys.stderr)
+layers = len(model.layers)
+policy = lambda name: KVPolicy(default_format=name, block_size_tokens=128)
+# (arm, factory, environment while it runs)
+arms = [
+    ("mlx-lm KVCache", lambda: [KVCache() for _ in range(layers)], {}),
+    ("mlx-lm QuantizedKVCache 4-bit", lambda: [QuantizedKVCache(64, 4) for _ in range(layers)], {}),
+    ("paged native", lambda: make_cache(model, policy("native")), {}),
+    ("paged native, lane kernel", lambda: make_cache(model, policy("native")), {"KVSTORE_DIRECT_NATIVE_MMA": "0"}),
+    ("paged k4v4", lambda: make_cache(model, policy("k4v4")), {}),
+    ("paged k4v4, cuda-rotate", lambda: make_cache(model, policy("k4v4")), {"KVSTORE_QUANTIZE_IMPL": "cuda-rotate"}),
+]
+if variants != "all":
+    arms = [a for a in arms if a[0] in variants.split(";") or a[0] == "mlx-lm KVCache"]
+report = {"size": size, "params": params, "decode": 16, "prefill_step": 2048, "block_size": 128,
+          "device": str(mx.default_device()), "repeats": repeats, "contexts": {}}
+with installed(model):
+    for context in contexts:
+        prompt = mx.random.randint(0, bench.SIZES[size]["vocab_size"], (context,), dtype=mx.int32)
+        rounds = {name: [] for name, _, _ in arms}
+        for repeat in range(repeats):
+            for name, factory, env in arms:
+                saved = {k: os.environ.get(k) for k in env}
+                os.environ.update(env)
+                try:
+                    rounds[name].append(bench.safe_measure(model, factory, prompt, 16, 2048, repeat == 0))
+                finally:
+                    for k, v in saved.items():
+                        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+                mx.clear_cache()
+                print(f"{context} repeat {repeat}: {name} {time.time() - began:.0f} s", file=sys.stderr)
+        results = {}
+        for name, runs in rounds.items():
+            r = bench.median_result(runs)
+            if "error" not in r:
+                base = rounds["mlx-lm KVCache"]
+                r["x_kvcache_decode_by_round"] = [a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(runs, base)]
+                r["x_kvcache_overlap_by_round"] = [a["decode_overlap_tok_s"] / b["decode_overlap_tok_s"] for a, b in zip(runs, base)]
+                r["decode_tok_s_by_round"] = [a["decode_tok_s"] for a in runs]
+            results[name] = r
+        report["contexts"][context] = results
+        with open(f"{out}/engine_h200_llama8b_decode.json", "w") as handle:
+            json.dump(report, handle, indent=2)
+        print(f"### context {context}\n\n" + bench.table(results, "mlx-lm KVCache") + "\n")
+        for name, r in results.items():
+            if "error" not in r:
+                print(f"- {name}: decode x by round {[round(x, 3) for x in r['x_kvcache_decode_by_round']]}, "
+                      f"overlapped x {[round(x, 3) for x in r['x_kvcache_overlap_by_round']]}, "
+                      f"build {r['decode_build_ms']:.2f} ms, eval {r['decode_eval_ms']:.2f} ms")
+        print()
+EOF
+echo "rc=$?" >> "$OUT/bench.err"
+cat "$OUT/bench.md"
+tail -3 "$OUT/bench.err"
+KVSTORE_TEST_IMPLS=cuda timeout "${TEST_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider -rs -x \
+  ${TEST_PATHS:-tests/kernels/test_native_mma.py tests/kernels/test_call.py tests/engine/test_cache.py tests/kernels/test_quantize.py tests/kernels/test_attention.py} \
+  > "$OUT/tests.txt" 2>&1
 echo "rc=$?" >> "$OUT/tests.txt"
-tail -3 "$OUT/tests.txt"
-ARMS=${ARMS:-"mlx-lm QuantizedKVCache 4-bit,paged native,paged k4v4"}
-timeout "${BENCH_LIMIT:-200}" python3 -m tools.bench.engine --size llama-8b --contexts 8192,32768 \
-  --prefill-step 2048 --decode 16 --profile --arms "$ARMS" --out "$OUT/engine_h200_llama8b.json" \
-  > "$OUT/bench_8b.md" 2> "$OUT/bench_8b.err"
-echo "rc=$?" >> "$OUT/bench_8b.err"
-tail -12 "$OUT/bench_8b.md"
-KVSTORE_QUANTIZE_IMPL=${SECOND_QUANTIZE_IMPL:-compiled} timeout "${COMPILED_LIMIT:-90}" python3 -m tools.bench.engine --size llama-8b \
-  --contexts 32768 --prefill-step 2048 --decode 16 --arms "paged k4v4" \
-  --out "$OUT/engine_h200_llama8b_32k_${SECOND_QUANTIZE_IMPL:-compiled}_quantize.json" > "$OUT/bench_compiled.md" 2> "$OUT/bench_compiled.err"
-echo "rc=$?" >> "$OUT/bench_compiled.err"
-tail -5 "$OUT/bench_compiled.md"
+tail -8 "$OUT/tests.txt"
