@@ -220,19 +220,40 @@ def encode_page(raw, policy: Compression, digest: bytes | None = None, *,
     `digest` (the page's name) is bound into the header; the store always passes it.
     try_zstd: None samples this page (see _worth_compressing); False stores it raw;
     True compresses it whole (kept only if it saves min_saving)."""
+    frame = zstd_frame(raw, policy, try_zstd=try_zstd)
+    if frame is None:
+        return raw_page_header(raw, digest), raw
+    return zstd_page_header(len(raw), frame, digest), frame
+
+
+def zstd_frame(raw, policy: Compression, *, try_zstd: bool | None = None) -> bytes | None:
+    """The zstd frame to store `raw` as, or None to store it raw (encode_page's choice,
+    try_zstd as there). InvalidInput for a page past MAX_PAGE_NBYTES."""
     nbytes = len(raw)
     if nbytes > MAX_PAGE_NBYTES:
         raise InvalidInput(f"page of {nbytes} bytes exceeds the {MAX_PAGE_NBYTES}-byte page limit")
-    stored, codec = raw, CODEC_RAW
     if try_zstd is None:
         try_zstd = policy.enabled and nbytes >= 256 and _worth_compressing(raw, policy)
     if try_zstd and policy.enabled and nbytes >= 256:
         frame = zstandard.ZstdCompressor(level=policy.level, write_content_size=True).compress(raw)
         if len(frame) <= nbytes * (1.0 - policy.min_saving):
-            stored, codec = frame, CODEC_ZSTD
+            return frame
+    return None
+
+
+def zstd_page_header(raw_nbytes: int, frame: bytes, digest: bytes | None = None) -> bytes:
+    """The header of a page stored as the zstd frame `frame` of raw_nbytes bytes."""
     prefix = bytes(digest)[:8] if digest is not None else bytes(8)
-    header = PageHeader(codec, nbytes, len(stored), xxhash.xxh3_128_digest(stored), prefix)
-    return header.pack(), stored
+    return PageHeader(CODEC_ZSTD, raw_nbytes, len(frame), xxhash.xxh3_128_digest(frame), prefix).pack()
+
+
+def raw_page_header(raw, digest: bytes | None = None) -> bytes:
+    """The header of a page stored raw (codec raw, both lengths len(raw)): one xxh3-128
+    pass over `raw`. The segment writer calls it on its write threads, just before the
+    pwritev that reads the same bytes (kvstore/segments.py append)."""
+    nbytes = memoryview(raw).nbytes  # what pwritev writes, whatever the buffer's item size
+    prefix = bytes(digest)[:8] if digest is not None else bytes(8)
+    return PageHeader(CODEC_RAW, nbytes, nbytes, xxhash.xxh3_128_digest(raw), prefix).pack()
 
 
 def _worth_compressing(raw, policy: Compression) -> bool:

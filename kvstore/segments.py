@@ -69,8 +69,8 @@ from typing import Iterator, Sequence
 import xxhash
 
 from kvstore.errors import StoreFull, StoreIOError
+from kvstore.pages import CODEC_RAW, PageHeader, raw_page_header
 from kvstore.pages import HEADER_NBYTES as PAGE_HEADER_NBYTES
-from kvstore.pages import PageHeader
 
 RECORD_MAGIC = b"KVS1"
 RECORD_ALIGN = 4096
@@ -182,13 +182,19 @@ def verify_record(view, digest: bytes, location: Location | None = None
     return header, body
 
 
-@dataclass(frozen=True)
+@dataclass
 class PendingRecord:
     """One page to append: its name, its encoded page header and the stored bytes (any
-    buffer; written from where it lies)."""
+    buffer; written from where it lies).
+
+    page_header None: a page stored raw whose header append() makes, and sets here, on
+    the thread that writes the record: its xxh3-128 is computed just before the pwritev
+    that reads the same bytes (cache-warm for the kernel's copy), so a save makes no
+    separate checksum pass over its pages (512 MiB on the 2-core VM: xxh3 in the write
+    threads 181 ms against 163 ms + a 50 ms pass)."""
 
     digest: bytes
-    page_header: bytes
+    page_header: bytes | None
     stored: object
 
 
@@ -299,12 +305,13 @@ class SegmentFiles:
         return None if self._current is None else (self._current, self._tail)
 
     def append(self, records: Sequence[PendingRecord], *, workers: int = 1) -> list[Location]:
-        """Write records (not yet durable: sync() next). Opens a new preallocated segment
-        when the current one cannot hold the next record; StoreFull when the disk cannot
-        hold a new segment (nothing of that segment stays behind). Places are reserved
-        first, in order; with workers > 1 and at least PARALLEL_WRITE_NBYTES to write,
-        the pwritev calls then run on that many threads (pwritev drops the GIL, so one
-        thread's copy into the page cache overlaps another's)."""
+        """Write records (not yet durable: sync() next); a record without a page header
+        gets one (PendingRecord). Opens a new preallocated segment when the current one
+        cannot hold the next record; StoreFull when the disk cannot hold a new segment
+        (nothing of that segment stays behind). Places are reserved first, in order;
+        with workers > 1 and at least PARALLEL_WRITE_NBYTES to write, the pwritev calls
+        (and the xxh3 before each) then run on that many threads (pwritev and xxh3 drop
+        the GIL, so one thread's copy into the page cache overlaps another's)."""
         assert not self.readonly, "append on a read-only SegmentFiles"
         lengths = [RECORD_HEADER_NBYTES + memoryview(rec.stored).nbytes for rec in records]
         left = sum(align_up(n) for n in lengths)  # what this append still has to write
@@ -316,11 +323,13 @@ class SegmentFiles:
             self._ensure_fd(segment)
             left -= span
             places.append((segment, offset, span))
-            codec = PageHeader.unpack(rec.page_header).codec
+            codec = CODEC_RAW if rec.page_header is None else PageHeader.unpack(rec.page_header).codec
             out.append(Location(segment, offset, length, codec))
 
         def write(i: int) -> None:
             rec, length, (segment, offset, span) = records[i], lengths[i], places[i]
+            if rec.page_header is None:  # xxh3-128 here, on this write thread (PendingRecord)
+                rec.page_header = raw_page_header(rec.stored, rec.digest)
             parts = [record_header(rec.digest, rec.page_header), rec.stored]
             if span > length:
                 parts.append(_ZEROS[: span - length])

@@ -75,10 +75,11 @@ from kvstore.pages import (
     PageBatch,
     accounted_nbytes,
     decode_stored,
-    encode_page,
     hash_page,
     verified_pages,
     verify_stored,
+    zstd_frame,
+    zstd_page_header,
 )
 from kvstore.readinto import read_verified
 from kvstore.segments import (
@@ -320,22 +321,22 @@ class Store:
                 if d not in seen:
                     seen.add(d)
                     todo.append((d, data, z))
-            encoded = _encode_pages(todo, policy)
+            records = _encode_pages(todo, policy)
             locations = []
-            if encoded:
-                need = sum(align_up(RECORD_HEADER_NBYTES + len(stored)) for _, _, stored in encoded)
+            if records:
+                need = sum(align_up(RECORD_HEADER_NBYTES + memoryview(r.stored).nbytes)
+                           for r in records)
                 self._lmdb.check_disk_headroom("storing pages", need)
                 self._segments.prepare(tails)
-                locations = self._segments.append(
-                    [PendingRecord(d, header, stored) for d, header, stored in encoded],
-                    workers=SAVE_WORKERS)
+                # raw pages' headers (their xxh3-128) are made on the write threads
+                locations = self._segments.append(records, workers=SAVE_WORKERS)
                 faults.crash_point("segments_written")
                 self._segments.sync()  # StoreIOError on failure: nothing is committed
                 faults.crash_point("segments_synced")
             new_tails: dict[int, int] = {}
             for loc in locations:
                 new_tails[loc.segment] = max(new_tails.get(loc.segment, 0), loc.end)
-            items = [(d, header, loc) for (d, header, _), loc in zip(encoded, locations, strict=True)]
+            items = [(r.digest, r.page_header, loc) for r, loc in zip(records, locations, strict=True)]
             dups = len(batch) - len(todo) - len(present)  # pages named twice in this batch
             stamp = now_ns()
 
@@ -728,16 +729,21 @@ def format_id_bytes(format_id) -> bytes:
     raise InvalidInput(f"not a format id: {format_id!r:.80}")
 
 
-def _encode_pages(todo: list, policy: Compression) -> list[tuple]:
-    """(digest, data, zstd decision) -> (digest, header, stored bytes), in order: the
-    xxh3-128 (and any zstd) of each page, on SAVE_WORKERS threads once a batch is large
-    enough to pay for them."""
-    def encode(item):
+def _encode_pages(todo: list, policy: Compression) -> list[PendingRecord]:
+    """(digest, data, zstd decision) -> the records to append, in order. A page stored
+    raw leaves its header to the segment writer, which computes its xxh3-128 on the
+    write thread just before writing it (PendingRecord): no checksum pass here. zstd is
+    tried here, on SAVE_WORKERS threads once the pages it is tried on are enough bytes
+    to pay for them (none in a PageBatch of packed or incompressible formats)."""
+    def encode(item) -> PendingRecord:
         d, data, z = item
-        return (d, *encode_page(data, policy, d, try_zstd=z))
-    total = sum(len(data) for _, data, _ in todo)
+        frame = zstd_frame(data, policy, try_zstd=z)  # also refuses an oversized page
+        if frame is None:
+            return PendingRecord(d, None, data)
+        return PendingRecord(d, zstd_page_header(len(data), frame, d), frame)
+    tried = sum(len(data) for _, data, z in todo if z is not False)
     workers = min(SAVE_WORKERS, len(todo))
-    if workers <= 1 or total < PARALLEL_ENCODE_NBYTES:
+    if workers <= 1 or tried < PARALLEL_ENCODE_NBYTES:
         return [encode(item) for item in todo]
     with ThreadPoolExecutor(workers, thread_name_prefix="kvstore-encode") as pool:
         return list(pool.map(encode, todo, chunksize=max(1, len(todo) // (4 * workers))))

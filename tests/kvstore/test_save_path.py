@@ -11,6 +11,7 @@ import os
 import blake3
 import pytest
 
+import kvstore.pages as pages_module
 import kvstore.store as store_module
 from kvstore import fileio
 from kvstore.errors import DigestMismatch, InvalidInput
@@ -83,13 +84,13 @@ def test_zstd_is_decided_once_per_page_format_and_never_for_packed_pages(tmp_pat
         [zeros, noise, noise[:150_000] + bytes(50_000), zeros2, bytes(1000), rand(3000, 8) + bytes(9000)],
         ["k8v4", "native-bf16", "native-bf16", "mlx-q4", None, None])
     samples = []
-    real = store_module.encode_page.__globals__["_worth_compressing"]
+    real = pages_module._worth_compressing
 
     def counting(raw, policy):
         samples.append(len(raw))
         return real(raw, policy)
 
-    monkeypatch.setitem(store_module.encode_page.__globals__, "_worth_compressing", counting)
+    monkeypatch.setattr(pages_module, "_worth_compressing", counting)
     with make_store(tmp_path / "s") as store:
         store.put_pages(batch)
         codecs = [codec_of(store, d) for d in batch.digests]
@@ -139,3 +140,30 @@ def test_a_large_put_grows_the_map_first_and_runs_once(tmp_path, monkeypatch):
         store.put_pages(PageBatch.hash(pages))
         assert runs == [32]
         assert store.read_pages([hash_page(p) for p in pages]) == pages
+
+
+def test_a_save_checksums_each_raw_page_once_on_the_thread_that_writes_it(tmp_path, monkeypatch):
+    """The xxh3-128 of a page stored raw is computed once, by the segment writer's
+    threads just before their pwritev (kvstore/segments.py PendingRecord), not in a
+    pass of its own before the writes; the index records the same header."""
+    import threading
+    import types
+
+    import xxhash
+    calls = []
+
+    def digest(data):
+        calls.append((threading.current_thread().name, memoryview(data).nbytes))
+        return xxhash.xxh3_128_digest(data)
+    monkeypatch.setattr(pages_module, "xxhash", types.SimpleNamespace(xxh3_128_digest=digest))
+    pages = [os.urandom(1 << 20) for _ in range(12)]  # 12 MiB: past PARALLEL_WRITE_NBYTES
+    batch = PageBatch.hash(pages, ["native-bf16"] * len(pages))
+    with make_store(tmp_path / "s") as store:
+        store.put_pages(batch)
+        page_calls = [name for name, n in calls if n == 1 << 20]
+        assert len(page_calls) == len(pages)
+        assert all(name.startswith("kvstore-write") for name in page_calls), page_calls
+        assert store.read_pages(batch.digests) == pages
+        with store.index.read() as index:
+            header = PageHeader.unpack(index.page(batch.digests[0]))
+        assert header.codec == CODEC_RAW and header.xxh3 == xxhash.xxh3_128_digest(pages[0])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 
 import blake3
 import pytest
@@ -356,4 +357,42 @@ def test_verify_record_refuses_a_page_header_written_for_another_page(tmp_path):
     files, (loc,) = _appended(tmp_path, [PendingRecord(digest, header, stored)])
     with pytest.raises(ValueError, match="page header was written for page"):
         files.read_verified(loc, digest)
+    files.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_raw_record_gets_its_header_and_xxh3_on_the_thread_that_writes_it(tmp_path, monkeypatch,
+                                                                             workers):
+    """PendingRecord(page_header=None): append makes the raw page header (the xxh3-128
+    of the stored bytes) on the write thread, right before that record's pwritev, and
+    sets it on the record: the header encode_page makes, and the record verifies."""
+    monkeypatch.setattr(seg, "PARALLEL_WRITE_NBYTES", 0)
+    events = []  # (thread name, what, digest), as the writers did them
+    real_header, real_write = seg.raw_page_header, SegmentFiles._pwritev_all
+
+    def header(raw, digest):
+        events.append((threading.current_thread().name, "xxh3", bytes(digest)))
+        return real_header(raw, digest)
+
+    def write(self, segment, parts, offset, total):
+        events.append((threading.current_thread().name, "write", bytes(parts[0][8:40])))
+        return real_write(self, segment, parts, offset, total)
+    monkeypatch.setattr(seg, "raw_page_header", header)
+    monkeypatch.setattr(SegmentFiles, "_pwritev_all", write)
+    datas = [page(5000 + 111 * i, i) for i in range(8)]
+    recs = [PendingRecord(blake3.blake3(d).digest(), None, d) for d in datas]
+    files = SegmentFiles(tmp_path, SMALL)
+    locs = files.append(recs, workers=workers)
+    files.sync()
+    for rec, loc, d in zip(recs, locs, datas, strict=True):
+        assert rec.page_header == encode_page(d, RAW, rec.digest)[0]
+        assert loc.flags == 0  # codec raw
+        assert bytes(files.read_verified(loc, rec.digest)[1]) == d
+    threads = {name for name, _, _ in events}
+    for name in threads:  # per thread: each page's xxh3, then at once its own write
+        mine = [(what, digest) for n, what, digest in events if n == name]
+        assert mine == [step for what, digest in mine[::2] for step in (("xxh3", digest), ("write", digest))]
+    assert sorted(digest for _, what, digest in events if what == "xxh3") == sorted(r.digest for r in recs)
+    if workers > 1:
+        assert all(name.startswith("kvstore-write") for name in threads)
     files.close()
