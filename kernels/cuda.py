@@ -17,7 +17,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from kernels import cuda_mma
-from kernels.launch import LaunchPlan, compile_lane_split, compile_merge, run_split_merge
+from kernels.launch import LaunchPlan, baked, compile_lane_split, compile_merge, run_split_merge
 from kernels.sources import kernel_source
 
 # the placeholders of cuda_lane_split.cu per layout kind: the page-data type of
@@ -34,22 +34,34 @@ def split_source(packed: bool) -> str:
 
 
 @lru_cache(maxsize=None)
-def _split_kernel(packed: bool):
-    return compile_lane_split(mx.fast.cuda_kernel, packed, split_source(packed), kernel_source("cuda_lane.cuh"))
+def _split_kernel(packed: bool, template: tuple):
+    """The lane-group split kernel for one template, its constants baked in (launch.baked)."""
+    suffix, prefix = baked(template)
+    return compile_lane_split(mx.fast.cuda_kernel, packed, prefix + split_source(packed),
+                              kernel_source("cuda_lane.cuh"), suffix)
 
 
-@lru_cache(maxsize=1)
-def merge_kernel():
-    """The merge kernel both CUDA split kernels share."""
-    return compile_merge(mx.fast.cuda_kernel, kernel_source("cuda_merge.cu"), header=kernel_source("cuda_lane.cuh"))
+@lru_cache(maxsize=None)
+def merge_kernel(template: tuple):
+    """The merge kernel both CUDA split kernels share, for one template (baked in)."""
+    suffix, prefix = baked(template)
+    return compile_merge(mx.fast.cuda_kernel, prefix + kernel_source("cuda_merge.cu"), suffix,
+                         header=kernel_source("cuda_lane.cuh"))
 
 
 def launch(plan: LaunchPlan) -> mx.array:
     """Run the split kernel the plan names ("lane", "mma" or "mma_native") and the merge kernel; returns
-    [B, Hq, L, Dv]."""
-    if plan.kernel == "mma":
-        split = cuda_mma.split_kernel(plan.shared_memory, plan.threads if plan.min_blocks else 0, plan.min_blocks)
-        return run_split_merge(plan, split, merge_kernel())
-    if plan.kernel == "mma_native":
-        return run_split_merge(plan, cuda_mma.native_split_kernel(plan.shared_memory), merge_kernel())
-    return run_split_merge(plan, _split_kernel(plan.packed), merge_kernel())
+    [B, Hq, L, Dv]. The kernels are compiled per template with its constants in their source
+    (launch.baked: no template arguments to convert on each call), found once per plan."""
+    kernels = plan.kernels
+    if not kernels:
+        split_template = tuple(plan.split_template)
+        if plan.kernel == "mma":
+            split = cuda_mma.split_kernel(plan.shared_memory, plan.threads if plan.min_blocks else 0,
+                                          plan.min_blocks, split_template)
+        elif plan.kernel == "mma_native":
+            split = cuda_mma.native_split_kernel(plan.shared_memory, split_template)
+        else:
+            split = _split_kernel(plan.packed, split_template)
+        kernels.update(split=split, merge=merge_kernel(tuple(plan.merge_template)))
+    return run_split_merge(plan, kernels["split"], kernels["merge"], templated=False)

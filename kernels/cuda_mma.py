@@ -15,20 +15,22 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from kernels.launch import SPLIT_OUTPUTS, split_input_names
+from kernels.launch import SPLIT_OUTPUTS, baked, split_input_names
 from kernels.sources import kernel_source
 
 
 @lru_cache(maxsize=None)
-def split_kernel(shared_memory: int = 0, threads: int = 0, min_blocks: int = 0):
-    """The mx.fast.cuda_kernel object with `shared_memory` dynamic shared bytes (compiled per
-    template on first use; the template's SMEM carries the same number, so kernels of
-    different sizes never share a compiled function). min_blocks > 0: the kernel is declared
+def split_kernel(shared_memory: int = 0, threads: int = 0, min_blocks: int = 0, template: tuple = ()):
+    """The mx.fast.cuda_kernel object with `shared_memory` dynamic shared bytes, for one
+    template whose constants are baked into its source (launch.baked; empty: passed per call;
+    the template's SMEM carries the same number, so kernels of different sizes never share a
+    compiled function). min_blocks > 0: the kernel is declared
     __launch_bounds__(threads, min_blocks); MLX writes the `__global__ void` line itself, so
     the header redefines __global__ for it (the last declaration in the source), and the
     kernel's name carries the bounds (MLX caches compiled modules by name and template)."""
     header = kernel_source("cuda_mma.cuh")
-    name = "kvstore_paged_split_mma"
+    suffix, prefix = baked(template) if template else ("", "")
+    name = "kvstore_paged_split_mma" + suffix
     if min_blocks:
         header += (f"\n#undef __global__\n#define __global__ __attribute__((global)) "
                    f"__launch_bounds__({threads}, {min_blocks})\n")
@@ -37,21 +39,23 @@ def split_kernel(shared_memory: int = 0, threads: int = 0, min_blocks: int = 0):
         name=name,
         input_names=split_input_names(packed=True),
         output_names=SPLIT_OUTPUTS,
-        source=kernel_source("cuda_mma_split.cu"),
+        source=prefix + kernel_source("cuda_mma_split.cu"),
         header=header,
         shared_memory=shared_memory,
     )
 
 
 @lru_cache(maxsize=None)
-def native_split_kernel(shared_memory: int):
+def native_split_kernel(shared_memory: int, template: tuple = ()):
     """The tensor-core split kernel for native fp16/bf16 pages (cuda_mma_native_split.cu),
-    with `shared_memory` dynamic shared bytes (the template's SMEM carries the same number)."""
+    with `shared_memory` dynamic shared bytes (the template's SMEM carries the same number),
+    for one template baked into its source (launch.baked; empty: passed per call)."""
+    suffix, prefix = baked(template) if template else ("", "")
     return mx.fast.cuda_kernel(
-        name="kvstore_paged_split_mma_native",
+        name="kvstore_paged_split_mma_native" + suffix,
         input_names=split_input_names(packed=False),
         output_names=SPLIT_OUTPUTS,
-        source=kernel_source("cuda_mma_native_split.cu"),
+        source=prefix + kernel_source("cuda_mma_native_split.cu"),
         header=kernel_source("cuda_mma.cuh"),
         shared_memory=shared_memory,
     )

@@ -6,7 +6,8 @@ call run_split_merge with them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -24,17 +25,42 @@ def split_input_names(packed: bool) -> list[str]:
     return ["queries", "signs", *planes, "block_tables", "meta"]
 
 
-def compile_lane_split(factory, packed: bool, source: str, header: str):
-    """The lane-group split kernel from `factory` (mx.fast.cuda_kernel or metal_kernel)."""
-    return factory(name=f"kvstore_paged_split_{'packed' if packed else 'native'}",
+def compile_lane_split(factory, packed: bool, source: str, header: str, suffix: str = ""):
+    """The lane-group split kernel from `factory` (mx.fast.cuda_kernel or metal_kernel);
+    suffix: appended to its name (a CUDA variant with its constants baked in, baked())."""
+    return factory(name=f"kvstore_paged_split_{'packed' if packed else 'native'}{suffix}",
                    input_names=split_input_names(packed), output_names=SPLIT_OUTPUTS,
                    source=source, header=header)
 
 
-def compile_merge(factory, source: str, **header):
+def compile_merge(factory, source: str, suffix: str = "", **header):
     """The merge kernel from `factory`; header="..." where the backend's merge needs one."""
-    return factory(name="kvstore_paged_merge", input_names=MERGE_INPUTS, output_names=MERGE_OUTPUTS,
-                   source=source, **header)
+    return factory(name=f"kvstore_paged_merge{suffix}", input_names=MERGE_INPUTS,
+                   output_names=MERGE_OUTPUTS, source=source, **header)
+
+
+# mx.fast.cuda_kernel's names for the template dtypes (MLX's dtype_to_cuda_type)
+CUDA_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float"}
+
+
+def baked(template) -> tuple[str, str]:
+    """(name suffix, body prefix) of a CUDA kernel variant with `template`'s constants written
+    into its source: the lines mx.fast.cuda_kernel itself writes at the head of the kernel body
+    for a template (`constexpr int D = 128;`, `constexpr bool CAUSAL = false;`,
+    `using KvT = __nv_bfloat16;`), so the kernel is the same code, but written once per variant
+    instead of on every call, where converting and formatting ~20 template arguments was a
+    good part of the ~16-25 us one call cost on the H200 host (issue 22). The suffix (a digest
+    of the constants) keeps MLX's compiled-module cache, keyed by kernel name, per variant."""
+    lines = []
+    for name, value in template:
+        if isinstance(value, bool):
+            lines.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
+        elif isinstance(value, int):
+            lines.append(f"  constexpr int {name} = {value};")
+        else:
+            lines.append(f"  using {name} = {CUDA_TYPES[value]};")
+    prefix = "\n".join(lines) + "\n\n"
+    return "_" + hashlib.blake2s(prefix.encode(), digest_size=8).hexdigest(), prefix
 
 
 @dataclass
@@ -58,6 +84,9 @@ class LaunchPlan:
     output_dtype: mx.Dtype
     shared_memory: int = 0  # dynamic shared bytes of the split kernel (0: static only)
     min_blocks: int = 0  # > 0: the split kernel's __launch_bounds__ minimum blocks per SM
+    # the backend's compiled kernels for this plan's templates, found on its first launch
+    # and shared with every per-call copy (with_inputs)
+    kernels: dict = field(default_factory=dict)
 
     def with_inputs(self, split_inputs: list, sinks: mx.array) -> LaunchPlan:
         """This plan with one call's arrays: a shallow copy of its attributes (every layer of
@@ -70,13 +99,14 @@ class LaunchPlan:
         return plan
 
 
-def run_split_merge(plan: LaunchPlan, split_kernel, merge_kernel) -> mx.array:
+def run_split_merge(plan: LaunchPlan, split_kernel, merge_kernel, *, templated: bool = True) -> mx.array:
     """Split-K partials (output [.., head_dim] and the running max/sum [.., 2], float32),
     then the merge into [B, Hq, L, Dv]. The kernels are the backend's own
-    (mx.fast.cuda_kernel or mx.fast.metal_kernel objects)."""
+    (mx.fast.cuda_kernel or mx.fast.metal_kernel objects); templated False: they were
+    compiled with the plan's templates baked in (baked()), and get none."""
     part_o, part_ml = split_kernel(
         inputs=plan.split_inputs,
-        template=plan.split_template,
+        template=plan.split_template if templated else [],
         grid=(plan.num_splits * plan.threads, plan.grid_y, plan.batch),
         threadgroup=(plan.threads, 1, 1),
         output_shapes=[plan.partial_shape + (plan.head_dim,), plan.partial_shape + (2,)],
@@ -84,7 +114,7 @@ def run_split_merge(plan: LaunchPlan, split_kernel, merge_kernel) -> mx.array:
     )
     (result,) = merge_kernel(
         inputs=[part_o, part_ml, plan.sinks, plan.meta],
-        template=plan.merge_template,
+        template=plan.merge_template if templated else [],
         grid=(plan.partial_shape[0] * plan.head_dim, 1, 1),
         threadgroup=(plan.head_dim, 1, 1),
         output_shapes=[plan.output_shape],

@@ -40,6 +40,7 @@ import mlx.core as mx
 
 from kernels.errors import BackendUnavailable
 from kernels.hadamard import rotate, sign_vector
+from kernels.launch import baked
 from kernels.layout import PACKED_PLANES, PageLayout
 from kernels.quant import quantize
 from kernels.sources import kernel_source
@@ -75,31 +76,41 @@ def compiled_encode(keys: mx.array, values: mx.array, layout: PageLayout,
     return dict(zip(PACKED_PLANES, _compiled(layout, lead_shape)(keys, values), strict=True))
 
 
-@lru_cache(maxsize=1)
-def _cuda_kernel():
+@lru_cache(maxsize=None)
+def _cuda_kernel(source_name: str, input_names: tuple, template: tuple):
+    """quantize.cu or quantize_rotate.cu for one template, its constants baked into the
+    source (kernels/launch.py baked: no template arguments to convert on each call)."""
+    suffix, prefix = baked(template)
+    stem = "kvstore_quantize_write" if source_name == "quantize.cu" else "kvstore_quantize_rotate_write"
     return mx.fast.cuda_kernel(
-        name="kvstore_quantize_write",
-        input_names=["keys", "values"],
+        name=stem + suffix,
+        input_names=list(input_names),
         output_names=list(PACKED_PLANES),
-        source=kernel_source("quantize.cu"),
+        source=prefix + kernel_source(source_name),
         header=kernel_source("quantize.cuh"),
     )
 
 
 @lru_cache(maxsize=256)
 def _cuda_launch(layout: PageLayout, key_shape: tuple, value_dim: int, key_dtype, value_dtype,
-                 lead_shape: tuple | None) -> dict:
-    """The launch arguments of one write shape (cached: every layer of a step shares them)."""
+                 lead_shape: tuple | None, rotate: bool = False) -> tuple:
+    """(kernel, launch arguments) of one write shape (cached: every layer of a step shares
+    them); rotate: quantize_rotate.cu's launch, a thread per key row."""
     *lead, dk = key_shape
     rows = math.prod(lead)
-    threads = rows * (dk + value_dim) // layout.group_size
+    if rotate:
+        threads = rows + rows * value_dim // layout.group_size
+    else:
+        threads = rows * (dk + value_dim) // layout.group_size
     widths = layout.plane_widths(dk, value_dim)
     out_lead = tuple(lead) if lead_shape is None else tuple(lead_shape)
     assert math.prod(out_lead) == rows, f"lead_shape {lead_shape} does not hold {rows} rows"
-    return dict(
-        template=[("K_BITS", layout.k_bits), ("V_BITS", layout.v_bits), ("GROUP", layout.group_size),
-                  ("DK", dk), ("DV", value_dim), ("NDIM", len(key_shape)), ("KT", key_dtype),
-                  ("VT", value_dtype)],
+    template = (("K_BITS", layout.k_bits), ("V_BITS", layout.v_bits), ("GROUP", layout.group_size),
+                ("DK", dk), ("DV", value_dim), ("NDIM", len(key_shape)), ("KT", key_dtype),
+                ("VT", value_dtype))
+    kernel = (_cuda_kernel("quantize_rotate.cu", ("keys", "values", "signs"), template) if rotate
+              else _cuda_kernel("quantize.cu", ("keys", "values"), template))
+    return kernel, dict(
         grid=(-(-threads // THREADS) * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(*out_lead, widths[name]) for name in PACKED_PLANES],
@@ -113,21 +124,10 @@ def cuda_encode(keys: mx.array, values: mx.array, layout: PageLayout,
     reference does it). Inputs of any rank, row-contiguous (the launch copies others)."""
     if layout.rotated_keys:
         keys = rotate(keys, layout.rotation_seed)
-    launch = _cuda_launch(layout, tuple(keys.shape), values.shape[-1], keys.dtype, values.dtype,
-                          None if lead_shape is None else tuple(lead_shape))
-    outputs = _cuda_kernel()(inputs=[keys, values], **launch)
+    kernel, launch = _cuda_launch(layout, tuple(keys.shape), values.shape[-1], keys.dtype,
+                                  values.dtype, None if lead_shape is None else tuple(lead_shape))
+    outputs = kernel(inputs=[keys, values], **launch)
     return dict(zip(PACKED_PLANES, outputs, strict=True))
-
-
-@lru_cache(maxsize=1)
-def _cuda_rotate_kernel():
-    return mx.fast.cuda_kernel(
-        name="kvstore_quantize_rotate_write",
-        input_names=["keys", "values", "signs"],
-        output_names=list(PACKED_PLANES),
-        source=kernel_source("quantize_rotate.cu"),
-        header=kernel_source("quantize.cuh"),
-    )
 
 
 def cuda_rotate_encode(keys: mx.array, values: mx.array, layout: PageLayout,
@@ -136,13 +136,10 @@ def cuda_rotate_encode(keys: mx.array, values: mx.array, layout: PageLayout,
     layouts: cuda_encode)."""
     if not layout.rotated_keys:
         return cuda_encode(keys, values, layout, lead_shape)
-    launch = dict(_cuda_launch(layout, tuple(keys.shape), values.shape[-1], keys.dtype, values.dtype,
-                               None if lead_shape is None else tuple(lead_shape)))
-    rows = math.prod(keys.shape[:-1])
-    threads = rows + rows * values.shape[-1] // layout.group_size  # a thread per key row
-    launch["grid"] = (-(-threads // THREADS) * THREADS, 1, 1)
-    outputs = _cuda_rotate_kernel()(inputs=[keys, values, _signs(keys.shape[-1], layout.rotation_seed)],
-                                    **launch)
+    kernel, launch = _cuda_launch(layout, tuple(keys.shape), values.shape[-1], keys.dtype,
+                                  values.dtype, None if lead_shape is None else tuple(lead_shape),
+                                  rotate=True)
+    outputs = kernel(inputs=[keys, values, _signs(keys.shape[-1], layout.rotation_seed)], **launch)
     return dict(zip(PACKED_PLANES, outputs, strict=True))
 
 

@@ -110,3 +110,51 @@ def test_float32_queries_keep_the_lane_kernel(monkeypatch):
     paged_attention(case.queries.astype(mx.float32), case.planes, case.block_tables, case.context_lens,
                     case.layout, scale=0.1, impl="cuda")
     assert launched == ["lane"]
+
+
+def test_baked_templates_are_the_constants_cuda_kernel_writes():
+    """CUDA kernels are compiled per template with its constants written at the head of the
+    body, as mx.fast.cuda_kernel writes them for template arguments (so the compiled code is
+    the same), and the variant's name carries a digest of them (MLX caches modules by name)."""
+    from kernels.launch import baked
+
+    template = (("D", 128), ("CAUSAL", False), ("ROWS16", True), ("KvT", mx.bfloat16), ("OutT", mx.float16))
+    suffix, prefix = baked(template)
+    assert prefix == ("  constexpr int D = 128;\n  constexpr bool CAUSAL = false;\n"
+                      "  constexpr bool ROWS16 = true;\n  using KvT = __nv_bfloat16;\n"
+                      "  using OutT = __half;\n\n")
+    assert suffix.startswith("_") and suffix[1:].isalnum()
+    assert baked(template) == (suffix, prefix)
+    assert baked((("D", 64), *template[1:]))[0] != suffix
+
+
+def test_cuda_launch_finds_its_kernels_once_per_plan(monkeypatch):
+    """kernels/cuda.py compiles a plan's kernels on its first launch and every layer's copy
+    of the plan (with_inputs) reuses them; the kernels get no template arguments per call."""
+    from kernels import cuda
+
+    made, calls = [], []
+
+    def factory(**kwargs):
+        made.append(kwargs["name"])
+
+        def kernel(**call):
+            calls.append(call["template"])
+            return [mx.zeros(shape, dtype) for shape, dtype in
+                    zip(call["output_shapes"], call["output_dtypes"], strict=True)]
+        return kernel
+
+    monkeypatch.setattr(cuda.mx.fast, "cuda_kernel", factory)
+    for cached in (cuda._split_kernel, cuda.merge_kernel, cuda.cuda_mma.split_kernel,
+                   cuda.cuda_mma.native_split_kernel):
+        cached.cache_clear()
+    case = make_case("k4v4", head_dim=128, n_kv_heads=2, gqa=4, block_size=16, context_lens=[300],
+                     num_queries=1)
+    call = PagedAttentionCall(case.queries, case.planes, case.block_tables, case.context_lens,
+                              case.layout, scale=0.1)
+    for _ in range(3):  # three layers of one step
+        out = cuda.launch(direct.plan_launch(call, DirectTuning(), kernel="mma"))
+    assert out.shape == (1, 8, 1, 128) and len(made) == 2 and calls == [[]] * 6
+    for cached in (cuda._split_kernel, cuda.merge_kernel, cuda.cuda_mma.split_kernel,
+                   cuda.cuda_mma.native_split_kernel):
+        cached.cache_clear()
