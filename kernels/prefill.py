@@ -28,12 +28,18 @@ rotated keys are met by queries rotated in float32 then cast.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import mlx.core as mx
 
 from kernels.call import PagedAttentionCall
+from kernels.errors import BackendUnavailable
 from kernels.hadamard import rotate
+from kernels.launch import CUDA_TYPES, baked
+from kernels.layout import PACKED_PLANES
 from kernels.paging import check_shape, clean_block_ids, exact_native, gather_pages
+from kernels.quantize import cuda_available
+from kernels.sources import kernel_source
 
 
 def serves(call_mask, window: int | None, batch: int) -> bool:
@@ -76,50 +82,52 @@ def dequantized_attention(call: PagedAttentionCall, fresh: tuple[mx.array, mx.ar
 
 
 def dequantized_pages(planes: dict[str, mx.array], layout, block_ids: mx.array,
-                      dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+                      dtype: mx.Dtype, *, impl: str | None = None) -> tuple[mx.array, mx.array]:
     """Packed pages of block_ids [1, n] -> keys [1, Hkv, n*bs, Dk], values [1, Hkv, n*bs, Dv]
-    in dtype: the values of paging.gather_pages (code * scale + offset in float32, one
-    cast), in one fused elementwise pass per half that reads the gathered codes in block
-    order and writes token order (gather_pages: about ten passes of float32 temporaries).
-    Each token's values depend on its own codes only, never on the call's shape."""
-    halves = []
-    for half, bits in (("k", layout.k_bits), ("v", layout.v_bits)):
-        codes = planes[f"{half}_codes"][block_ids]  # [1, n, H, bs, W] uint8
-        scales = planes[f"{half}_scales"][block_ids]  # [1, n, H, bs, Gc] float32
-        offsets = planes[f"{half}_offsets"][block_ids]
-        batch, count, heads, block, width = codes.shape
-        groups = scales.shape[-1]
-        per_byte = 8 // bits
-        # [1, n, H, bs, Gc, bytes per group, 1] -> [1, H, n, bs, Gc, bytes per group, 1]
-        # (views), and out [1, H, n, bs, Gc, bytes per group, codes per byte] contiguous
-        codes = codes.reshape(batch, count, heads, block, groups, width // groups, 1)
-        order = (0, 2, 1, 3, 4, 5, 6)
-        scales = scales.reshape(batch, count, heads, block, groups, 1, 1).transpose(order)
-        offsets = offsets.reshape(batch, count, heads, block, groups, 1, 1).transpose(order)
-        out = _affine(bits, dtype)(codes.transpose(order), scales, offsets)
-        halves.append(out.reshape(batch, heads, count * block, width * per_byte))
-    return halves[0], halves[1]
+    in dtype. impl "reference": paging.gather_pages (six gathers and about ten MLX ops of
+    float32 temporaries per half); "cuda": kernels/dequantize.cu, one launch for both halves
+    that reads the blocks the table names and writes token order, bit-identical to the
+    reference (tests/kernels/test_prefill.py). None: "cuda" on a CUDA GPU for the dtypes it
+    writes, else "reference". Each token's values depend on its own codes only, never on the
+    call's shape."""
+    chosen = impl or ("cuda" if cuda_available() and dtype in CUDA_TYPES else "reference")
+    if chosen == "reference":
+        return gather_pages(planes, layout, block_ids, dtype)
+    if chosen != "cuda":
+        raise ValueError(f"dequantized_pages impl {chosen!r} is not 'reference' or 'cuda'")
+    if not cuda_available():
+        raise BackendUnavailable("dequantized_pages impl 'cuda' was asked for but CUDA is not available here")
+    _, heads, block, k_width = planes["k_codes"].shape
+    v_width = planes["v_codes"].shape[-1]
+    k_dim, v_dim = k_width * 8 // layout.k_bits, v_width * 8 // layout.v_bits
+    count = block_ids.shape[-1]
+    template = (("K_BITS", layout.k_bits), ("V_BITS", layout.v_bits), ("GROUP", layout.group_size),
+                ("DK", k_dim), ("DV", v_dim), ("KW", k_width), ("VW", v_width), ("H", heads),
+                ("BS", block), ("OT", dtype))
+    threads = count * heads * block * (k_width + v_width)
+    keys, values = _dequantize_kernel(template)(
+        inputs=[block_ids.reshape(-1).astype(mx.int32), *(planes[name] for name in PACKED_PLANES)],
+        grid=(-(-threads // DEQUANTIZE_THREADS) * DEQUANTIZE_THREADS, 1, 1),
+        threadgroup=(DEQUANTIZE_THREADS, 1, 1),
+        output_shapes=[(1, heads, count * block, k_dim), (1, heads, count * block, v_dim)],
+        output_dtypes=[dtype, dtype])
+    return keys, values
 
 
-_AFFINE: dict = {}
+DEQUANTIZE_THREADS = 256  # threads per block of kernels/dequantize.cu (one per code byte)
 
 
-def _affine(bits: int, dtype: mx.Dtype):
-    """A compiled code -> value map for (bits, dtype): 4-bit codes split into their low
-    nibble (element 2j) and high nibble (2j + 1) by broadcasting against shifts (0, 4)."""
-    key = (bits, dtype)
-    if key not in _AFFINE:
-        if bits == 8:
-            def affine(codes, scales, offsets):
-                return (codes.astype(mx.float32) * scales + offsets).astype(dtype)
-        else:
-            shifts = mx.array([0, 4], dtype=mx.uint8)
-
-            def affine(codes, scales, offsets):
-                nibbles = (codes >> shifts) & 0x0F
-                return (nibbles.astype(mx.float32) * scales + offsets).astype(dtype)
-        _AFFINE[key] = mx.compile(affine, shapeless=True)
-    return _AFFINE[key]
+@lru_cache(maxsize=64)
+def _dequantize_kernel(template: tuple):
+    """kernels/dequantize.cu for one template, its constants baked in (launch.baked)."""
+    suffix, prefix = baked(template)
+    return mx.fast.cuda_kernel(
+        name="kvstore_dequantize_pages" + suffix,
+        input_names=["block_ids", "kc", "ks", "ko", "vc", "vs", "vo"],
+        output_names=["keys", "values"],
+        source=prefix + kernel_source("dequantize.cu"),
+        header=kernel_source("dequantize.cuh"),
+    )
 
 
 def fresh_is_exact(call: PagedAttentionCall, fresh: tuple[mx.array, mx.array]) -> bool:

@@ -7,10 +7,11 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from kernels import attention
+from kernels import attention, quantize
 from kernels.attention import paged_attention, select_impl, workspace_nbytes
 from kernels.layout import PageLayout
 from kernels.paging import clean_block_ids, gather_pages
+from kernels.prefill import dequantized_pages
 from tests.kernels.pages import make_case
 from tests.kernels.test_attention import TOLERANCE, max_error
 
@@ -77,6 +78,34 @@ def test_packed_pages_read_the_chunk_back_whatever_fresh_says(name):
     rng = mx.random.key(5)
     exact = (mx.random.normal((1, 2, 20, 128), key=rng).astype(case.queries.dtype),) * 2
     assert mx.array_equal(run(case, "dequantized", fresh=exact, **options), paged).item()
+
+
+# (layout, head dim, block size, context, model dtype): 4- and 8-bit halves, rotated keys,
+# a partial last block, blocks in shuffled pool order (make_case shuffles them)
+DEQUANTIZE_ROWS = [
+    ("k4v4-rot", 128, 16, 520, mx.bfloat16),
+    ("k8v4", 64, 32, 257, mx.float16),
+    ("k8v8", 128, 128, 300, mx.float32),
+    ("k4v4", 64, 16, 130, mx.bfloat16),
+]
+
+
+@pytest.mark.skipif(not quantize.cuda_available(),
+                    reason="kernels/dequantize.cu needs a CUDA GPU (the H200 run: "
+                           "KVSTORE_TEST_IMPLS=cuda python3 -m pytest tests/kernels/test_prefill.py)")
+@pytest.mark.parametrize("row", DEQUANTIZE_ROWS, ids=lambda r: f"{r[0]}-d{r[1]}-b{r[2]}-T{r[3]}")
+def test_cuda_dequantize_is_bit_identical_to_the_reference(row):
+    """kernels/dequantize.cu against paging.gather_pages over the same blocks: the same
+    values bit for bit (tolerance 0), in every model dtype it writes."""
+    name, dim, block, context, dtype = row
+    case = make_case(name, head_dim=dim, n_kv_heads=2, gqa=2, block_size=block,
+                     context_lens=[context], num_queries=4, seed=context)
+    ids = clean_block_ids(case.block_tables, case.context_lens, block, 0, -(-context // block))
+    expected = dequantized_pages(case.planes, case.layout, ids, dtype, impl="reference")
+    got = dequantized_pages(case.planes, case.layout, ids, dtype, impl="cuda")
+    for a, b in zip(got, expected, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype == dtype
+        assert mx.array_equal(a, b).item()
 
 
 def test_prefill_chunks_on_a_gpu_take_the_dequantized_path(monkeypatch):
