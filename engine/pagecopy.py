@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from engine.errors import FormatMismatch
+
 # Page copies smaller than this run inline: a thread hop costs more than the copy.
 MIN_THREADED_NBYTES = 4 * 2**20
 DEFAULT_WORKERS = min(8, os.cpu_count() or 1)
@@ -185,6 +187,55 @@ class PageCopies:
         failed = next((e for e in errors if e is not None), None)
         if failed is not None:
             raise failed
+
+
+class DeferredCopies(PageCopies):
+    """Where each page goes, recorded while the targets are laid out, so that the pages
+    are copied later, each right after the store verified it and while its bytes are
+    still in the CPU's caches (the fused read: engine/pageread.py read_into calls
+    copy(i, page) from its reader threads).
+
+    Layout code is handed stand-ins (stand_ins(lengths)): read-only zero views of each
+    page's expected length. add() with a stand-in records its regions and targets
+    instead of copying; copy(i, page) copies the real page i into them. A page whose
+    length is not its stand-in's is refused (FormatMismatch) before anything is copied
+    from it. Other pages passed to add() are copied by run(), as PageCopies does."""
+
+    def __init__(self):
+        super().__init__()
+        self._zeros = memoryview(b"")
+        self._stand_ins: list[memoryview] = []  # kept alive: their ids stay unique
+        self._where: dict[int, int] = {}  # id(stand-in) -> page index
+        self._targets: list[list[tuple]] = []  # page index -> [(regions, targets)]
+
+    def stand_ins(self, lengths: list[int]) -> list[memoryview]:
+        """One stand-in per page, numbered on from the pages already handed out."""
+        if max(lengths, default=0) > len(self._zeros):
+            self._zeros = memoryview(bytes(max(lengths)))
+        out = []
+        for nbytes in lengths:
+            view = self._zeros[:nbytes]
+            self._where[id(view)] = len(self._stand_ins)
+            self._stand_ins.append(view)
+            self._targets.append([])
+            out.append(view)
+        return out
+
+    def add(self, page, regions: tuple[Region, ...], targets: dict[str, np.ndarray]) -> None:
+        index = self._where.get(id(page))
+        if index is None or self._stand_ins[index] is not page:
+            super().add(page, regions, targets)
+            return
+        self._targets[index].append((regions, targets))
+
+    def copy(self, index: int, page) -> None:
+        """Page `index` (its verified bytes) into every target laid out for its stand-in."""
+        nbytes, expected = memoryview(page).nbytes, len(self._stand_ins[index])
+        if nbytes != expected:
+            raise FormatMismatch(f"page {index} holds {nbytes} bytes; its block's tokens "
+                                 f"make it {expected}")
+        for regions, targets in self._targets[index]:
+            copy_page(page, regions, targets)
 
 
 def run_copies(pairs: list[tuple], nbytes: int, workers: int = DEFAULT_WORKERS) -> None:
@@ -356,6 +407,6 @@ def gather_pages(spec, hosts: dict[str, np.ndarray], block_ids: list[int], num_t
     return pages
 
 
-__all__ = ["CAPTURE_BUFFERS", "DeviceStaging", "HostBuffers", "PageCopies", "Region", "StagingBuffer",
+__all__ = ["CAPTURE_BUFFERS", "DeferredCopies", "DeviceStaging", "HostBuffers", "PageCopies", "Region", "StagingBuffer",
            "copy_page", "device_copy", "direct_writes", "gather_pages", "host_readable", "host_view", "page_regions",
            "page_targets", "run_copies"]

@@ -1,4 +1,13 @@
-"""Verified page reads for a restore, split over threads: read_pages(store, digests).
+"""Verified page reads for a restore, split over threads: read_pages(store, digests), and
+the fused read_into(store, digests, sink, page_nbytes).
+
+read_into is what a restore that writes through host views uses (engine/restore.py):
+its targets are laid out first, then each worker thread of a shared pool asks the store
+for a short run of pages at a time (READ_CHUNK_NBYTES: the store verifies them, which
+brings them into the CPU's caches) and hands each to the sink at once, which copies it
+where it goes. One pass over the bytes, on several cores, with no thread that waits on
+another. read_pages below hands out views that stay valid until the caller's block
+ends (the device path copies them into staging while they are).
 
 A store's get_pages verifies every page (its hash) before it yields the views, and does
 that on the calling thread. For a restore of 1 GiB that one pass was the largest cost
@@ -19,10 +28,12 @@ Cost model: one thread start per reader (about 0.1 ms) and one read transaction 
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from kvstore.protocol import PageReader
 
@@ -64,6 +75,63 @@ def read_pages(store: PageReader, digests: Sequence, workers: int | None = None)
                 reader.join()
 
 
+# read_into verifies this many bytes of pages per get_pages before they are copied: about
+# one core's L2, so the copy reads what the hash has just brought into cache.
+READ_CHUNK_NBYTES = 2 * 2**20
+
+
+def read_into(store: PageReader, digests: Sequence, sink: Callable[[int, object], None],
+              page_nbytes: int, workers: int | None = None) -> None:
+    """The fused read: sink(i, page) for every digest, each page handed over right after
+    the store verified it (valid during the call), in no particular order, from up to
+    `workers` threads (default READ_WORKERS) of a shared pool. page_nbytes (the largest
+    page's length, about) sizes the runs: READ_CHUNK_NBYTES of pages per get_pages.
+
+    A damaged or missing page raises the store's error (IntegrityError after it
+    quarantined the page; NotFound), a failing sink its own: that of the earliest run
+    that failed, after every worker stopped (the others stop at their next chunk). Other pages' sinks may have run by then: the caller
+    discards what they wrote. A store that fetches (maps_pages False) is asked once,
+    and the sink runs on the calling thread."""
+    digests = list(digests)
+    workers = READ_WORKERS if workers is None else workers
+    workers = min(workers, len(digests) // MIN_PAGES_PER_READER)
+    if not digests:
+        return
+    if workers <= 1 or not store.maps_pages:
+        with store.get_pages(digests) as views:
+            for i, view in enumerate(views):
+                sink(i, view)
+        return
+    chunk = max(1, READ_CHUNK_NBYTES // max(1, page_nbytes))
+    step = -(-len(digests) // workers)
+    stop = threading.Event()
+
+    def run(first: int) -> None:
+        try:
+            for at in range(first, min(first + step, len(digests)), chunk):
+                if stop.is_set():
+                    return
+                with store.get_pages(digests[at : min(at + chunk, first + step)]) as views:
+                    for k, view in enumerate(views):
+                        sink(at + k, view)
+        except BaseException:
+            stop.set()  # the others stop at their next chunk
+            raise
+
+    futures = [_read_pool().submit(run, first) for first in range(0, len(digests), step)]
+    errors = [f.exception() for f in futures]  # waits for every worker
+    failed = next((e for e in errors if e is not None), None)
+    if failed is not None:
+        raise failed
+
+
+@functools.lru_cache(maxsize=1)
+def _read_pool() -> ThreadPoolExecutor:
+    """read_into's threads, one pool per process (made on first use). Its tasks never
+    wait on one another, so restores on several threads can share it."""
+    return ThreadPoolExecutor(READ_WORKERS, thread_name_prefix="kv-read-into")
+
+
 class _Reader(threading.Thread):
     """One get_pages over one run of digests, held open until `done` is set."""
 
@@ -86,4 +154,4 @@ class _Reader(threading.Thread):
             self.ready.set()
 
 
-__all__ = ["read_pages", "READ_WORKERS"]
+__all__ = ["read_into", "read_pages", "READ_WORKERS"]

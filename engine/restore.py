@@ -26,9 +26,14 @@ is allocated:
      into buffers from a RemoteStore, and copied once, on worker threads: on the CPU
      and unified memory straight into freshly allocated pool blocks or into one array
      per plane and layer of the stock mlx-lm caches (host views of MLX memory,
-     engine/pagecopy.py); on a CUDA GPU into a reused host staging buffer that the
-     GPU reads in place, one slice update per plane and layer, started layer by
-     layer so the GPU's copy of one layer overlaps the host's copy of the next.
+     engine/pagecopy.py), fused for a local store: every layer is laid out first (on
+     stand-ins of the pages' lengths), then each reader copies the pages it has just
+     verified while they are in cache (_read_fused); on a CUDA GPU, in groups of
+     layers of about READ_GROUP_NBYTES, into a reused host staging buffer that the
+     GPU reads in place, one slice update per plane and layer, started layer by layer
+     so the GPU's copy of one layer overlaps the host's reading and copying of the
+     next (_read_grouped). A page that fails its check raises IntegrityError (the
+     store quarantined it) and the blocks laid out so far are given back.
      Nothing is evaluated afterwards but what is still lazy (a native layer quantized
      on restore): a paged layer's state is a gather of its whole history, which
      nobody reads.
@@ -73,6 +78,7 @@ from engine.formats import PAGED_FORMATS, PageSpec, page_specs
 from engine.geometry import leaf_caches, with_leaves
 from engine.models import default_attention_impl
 from engine.pagecopy import (
+    DeferredCopies,
     DeviceStaging,
     PageCopies,
     device_copy,
@@ -80,7 +86,7 @@ from engine.pagecopy import (
     host_view,
     page_regions,
 )
-from engine.pageread import read_pages
+from engine.pageread import read_into, read_pages
 from engine.publish import DEFAULT_NAMESPACE
 from engine.stock import ConvertedQuantizedKVCache, TrackedKVCache
 from kvstore.errors import IncompatibleFormat, NotFound
@@ -210,6 +216,32 @@ def _pages(store: PageReader, digests: list):
     admission prices those as staging)."""
     with read_pages(store, digests) as views:
         yield views
+
+
+# A local store's pages are read (verified by the store, engine/pageread.py) this many
+# bytes of layers at a time, each group just before its copies: the copies then read
+# bytes the hashing has just brought into the CPU's caches, and on a device backend the
+# device's copies of one group overlap the host's reading of the next. A store that
+# fetches (maps_pages False: one request per get_pages) is read in one call.
+READ_GROUP_NBYTES = 64 * 2**20
+
+
+def _read_groups(store: PageReader, plan: "_Plan", n_blocks: int) -> list[list[int]]:
+    """Runs of indices into plan.identity.paged_layers, about READ_GROUP_NBYTES of pages
+    each (at least one layer; all of them for a fetching store or no pages to read)."""
+    paged = plan.identity.paged_layers
+    if not n_blocks or not store.maps_pages:
+        return [list(range(len(paged)))] if paged else []
+    size = plan.identity.block_size_tokens
+    groups, at = [[]], 0
+    for j, layer in enumerate(paged):
+        layer_nbytes = n_blocks * PageSpec.from_layer_spec(plan.identity.layers[layer], size).block_nbytes
+        if groups[-1] and at + layer_nbytes > READ_GROUP_NBYTES:
+            groups.append([])
+            at = 0
+        groups[-1].append(j)
+        at += layer_nbytes
+    return groups
 
 
 def _check_capacity(pools, n_blocks: int) -> None:
@@ -504,38 +536,87 @@ def _build(engine_model: EngineModel, store: PageReader, plan: _Plan,
     """The plan's caches: empty ones for an empty plan, else its pages copied in once."""
     if not plan.blocks and plan.checkpoint is None:
         return Restored(_fresh(engine_model, plan, grant), 0)
-    identity, blocks, ckpt = plan.identity, plan.blocks, plan.checkpoint
+    blocks, ckpt = plan.blocks, plan.checkpoint
     if plan.cache_kind == "paged":
         _check_capacity(engine_model.pools, len(blocks))
     shared, adopted = _adopt_resident(engine_model, plan)
     fetched = blocks[shared:]
-    digests = [d for b in fetched for d in b.pages]
     attachment_names = sorted(ckpt.attachments) if ckpt is not None else []
     top = _fresh(engine_model, plan, grant)
     caches = leaf_caches(top)  # one per identity layer (CacheLists flattened)
-    paged = identity.paged_layers
-    copies = PageCopies()
-    with _pages(store, digests + [ckpt.attachments[n] for n in attachment_names]) as views:
-        nbytes = sum(len(v) for v in views)
-        try:
-            for j, layer in enumerate(paged):  # pages of block i, layer j: views[i * L + j]
-                pages = [views[i * len(paged) + j] for i in range(len(fetched))]
-                caches[layer] = _layer_cache(engine_model, plan, layer, pages,
-                                             _Targets(adopted, grant, copies))
-                copies.start()  # this layer's copies overlap the next layer's allocation
-            copies.run()  # every page once, into the pools or the caches' arrays
-        finally:
-            copies.wait()  # no copy still reads a view once the with-block ends
-        for name, view in zip(attachment_names, views[len(digests):], strict=True):
-            index = int(name.split(".", 1)[1])
-            caches[index] = _attachment_cache(ckpt, index, view)
-            mx.eval(caches[index].state)  # decoded from the view: done before it closes
+    try:
+        read = _read_fused if _fused(store, plan) else _read_grouped
+        nbytes = read(engine_model, store, plan, fetched, caches, adopted, grant)
+        if attachment_names:
+            with _pages(store, [ckpt.attachments[name] for name in attachment_names]) as views:
+                nbytes += sum(len(v) for v in views)
+                for name, view in zip(attachment_names, views, strict=True):
+                    index = int(name.split(".", 1)[1])
+                    caches[index] = _attachment_cache(ckpt, index, view)
+                    mx.eval(caches[index].state)  # decoded from the view: done before it closes
+    except BaseException:
+        for cache in caches:  # a page failed its check: give back what was laid out
+            if isinstance(cache, PagedKVCache):
+                cache.free()
+        raise
     # What is still lazy (a native layer quantized on restore) is evaluated here; a paged
     # layer's state is a gather of its whole history, which nothing reads: not evaluated.
     mx.eval([c.state for c in caches if isinstance(c, QuantizedKVCache)])
     return Restored(with_leaves(top, _plain_nested(top, caches)), plan.tokens, len(blocks), nbytes,
                     "checkpoint" if ckpt is not None else "prefix",
                     ckpt.name if ckpt is not None else None, resident_blocks=shared)
+
+
+def _fused(store: PageReader, plan: _Plan) -> bool:
+    """Whether the plan's pages are read fused (_read_fused): where restores write through
+    host views (direct_writes) from a store that maps its pages, unless a layer is
+    quantized on restore (that needs the bytes while it is laid out)."""
+    quantizes = plan.cache_kind == "quantized" and any(
+        layer.paged and not PageSpec.from_layer_spec(layer, plan.identity.block_size_tokens).format.mlx_affine
+        for layer in plan.identity.layers)
+    return direct_writes() and store.maps_pages and not quantizes
+
+
+def _read_fused(engine_model: EngineModel, store: PageReader, plan: _Plan, fetched: list,
+                caches: list, adopted: dict, grant: Grant | None) -> int:
+    """Every paged layer's cache laid out first, on stand-ins for its pages (each page's
+    length from its block's tokens), then each page copied into its targets by the
+    reader that verified it, while it is in cache (engine/pageread.py read_into), on
+    several threads at once: one pass over the bytes. Returns the bytes read."""
+    targets = _Targets(adopted, grant, DeferredCopies())
+    paged, n, size = plan.identity.paged_layers, len(fetched), plan.identity.block_size_tokens
+    specs = [PageSpec.from_layer_spec(plan.identity.layers[layer], size) for layer in paged]
+    lengths = [spec.page_nbytes(len(block.tokens)) for spec in specs for block in fetched]
+    stand_ins = targets.copies.stand_ins(lengths)  # layer-major: layer j, block i at j * n + i
+    for j, layer in enumerate(paged):
+        caches[layer] = _layer_cache(engine_model, plan, layer, stand_ins[j * n : (j + 1) * n], targets)
+    digests = [block.pages[j] for j in range(len(paged)) for block in fetched]
+    read_into(store, digests, targets.copies.copy, max((s.block_nbytes for s in specs), default=1))
+    targets.copies.run()  # nothing but stand-ins was added: a no-op
+    return sum(lengths)
+
+
+def _read_grouped(engine_model: EngineModel, store: PageReader, plan: _Plan, fetched: list,
+                  caches: list, adopted: dict, grant: Grant | None) -> int:
+    """The paged layers' pages read in groups (_read_groups: verified views, on several
+    reader threads for a store that maps its pages), each group's layers laid out and
+    their pages copied while its views are valid. Returns the bytes read."""
+    paged, n = plan.identity.paged_layers, len(fetched)
+    copies, nbytes = PageCopies(), 0
+    for group in _read_groups(store, plan, n):  # runs of indices into paged
+        # layer-major: pages of block i, layer paged[group[g]] at views[g * n + i]
+        with _pages(store, [fetched[i].pages[j] for j in group for i in range(n)]) as views:
+            nbytes += sum(len(v) for v in views)
+            try:
+                for g, j in enumerate(group):
+                    caches[paged[j]] = _layer_cache(engine_model, plan, paged[j],
+                                                    views[g * n : (g + 1) * n],
+                                                    _Targets(adopted, grant, copies))
+                    copies.start()  # this layer's copies overlap the next one's layout
+                copies.run()  # every page once, into the pools, the caches' arrays or staging
+            finally:
+                copies.wait()  # no copy still reads a view once the with-block ends
+    return nbytes
 
 
 def _plain_nested(top: list, leaves: list) -> list:

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Sequence
 
+import numpy as np
+
 from kvstore import faults, fileio
 from kvstore.check import CheckReport, check_store
 from kvstore.errors import (
@@ -426,7 +428,9 @@ class Store:
                 if len(raw) != dests[i].nbytes:
                     raise InvalidInput(f"buffer for page {wanted[i].short} holds "
                                        f"{dests[i].nbytes} bytes, the page has {len(raw)}")
-                dests[i][:] = raw
+                # numpy's copy releases the GIL (a memoryview assignment holds it): the
+                # readers' copies run on several cores, as their hashing does
+                np.copyto(np.frombuffer(dests[i], dtype=np.uint8), np.frombuffer(raw, dtype=np.uint8))
             damaged = header_damage or read_verified(records, sink)
         if damaged:
             self._quarantine([(wanted[i], reason) for i, reason in damaged])

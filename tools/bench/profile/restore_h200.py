@@ -14,6 +14,10 @@
                 staging + prefetch        the same, migrated to the GPU before the copies
   restore     engine.restore of the 512 MiB 8B-shaped prefix (tools/bench/store.py)
               into pools, with 1 and READ_WORKERS page readers, and a cProfile of one
+  stages      the same restore at 8192 tokens (1 GiB, the ttft bench's 8B case) split by
+              stage (verified reads, host copies, write_pages, device tail), with one read
+              group and one reader, and the pieces alone: reads, copies on 8 / 16 threads,
+              the fused read_pages_into, the device copies (stages() says which)
 
 From the repository root: PYTHONPATH=$PWD python3 tools/bench/profile/restore_h200.py [--json F]
 """
@@ -168,10 +172,151 @@ def restore_profile(quick: bool = False) -> dict:
     return out
 
 
+class _Clock:
+    """Seconds spent inside wrapped functions, summed per name (the restore's stages)."""
+
+    def __init__(self):
+        self.s: dict[str, float] = {}
+
+    def wrap(self, owner, attr: str, name: str, context: bool = False):
+        real = getattr(owner, attr)
+        clock = self
+
+        if context:  # a context manager: time its entry (the verified read)
+            from contextlib import contextmanager
+
+            @contextmanager
+            def timed_cm(*a, **k):
+                t0 = time.perf_counter()
+                with real(*a, **k) as value:
+                    clock.s[name] = clock.s.get(name, 0.0) + time.perf_counter() - t0
+                    yield value
+            setattr(owner, attr, timed_cm)
+        else:
+            def timed_fn(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return real(*a, **k)
+                finally:
+                    clock.s[name] = clock.s.get(name, 0.0) + time.perf_counter() - t0
+            setattr(owner, attr, timed_fn)
+        return lambda: setattr(owner, attr, real)
+
+
+def stages(quick: bool = False) -> dict:
+    """The engine restore into pools of the 8B-shaped prefix at 8192 tokens (1 GiB, as
+    in the ttft bench), its time split by stage (medians of 5): read = the store's
+    verified reads (get_pages on the reader threads, engine/pageread.py), host copies =
+    pages into the pools' staging (PageCopies.run), write_pages = those copies plus the
+    slice-update graph and its launch, device tail = mx.synchronize after restore
+    returns. Then the pieces alone: get_pages on one thread, read_pages on 16, copies of
+    verified views into one DeviceStaging on 8 / 16 threads, the fused read_pages_into
+    into it (verify + copy per page), and the device copies from it into the planes."""
+    import engine.pool as pool_mod
+    from engine import pagecopy
+
+    restore_mod = sys.modules["engine.restore"]  # the package's `restore` names the function
+    from tools.bench.store import Prefix, Shape, engine_model, save_prefix
+
+    shape = Shape(layers=4 if quick else 32, kv_heads=8, head_dim=128, tokens=1024 if quick else 8192,
+                  block_size_tokens=256)
+    model = engine_model(shape)
+    prefix = Prefix(shape, model.identity)
+    out = {"nbytes": shape.nbytes, "pages": shape.layers * shape.blocks}
+    with tempfile.TemporaryDirectory() as tmp, Store(f"{tmp}/store") as store:
+        save_prefix(store, prefix)
+        request = RestoreRequest(prefix.tokens + [0], namespace="bench")
+        match = store.lookup_prefix(model.identity.format_id, "bench", prefix.tokens)
+        digests = [d for b in match.blocks for d in b.pages]
+
+        def once(clock: _Clock | None = None):
+            t0 = time.perf_counter()
+            result = restore(model, store, request)
+            t1 = time.perf_counter()
+            mx.synchronize()
+            t2 = time.perf_counter()
+            assert result.tokens_restored == shape.tokens, result.tokens_restored
+            for c in result.cache:
+                c.free()
+            return t1 - t0, t2 - t1
+
+        def run_variant(label: str, repeats: int = 5):
+            once()
+            rows = []
+            for _ in range(repeats):
+                clock = _Clock()
+                undo = [clock.wrap(restore_mod, "_pages", "read", context=True),
+                        clock.wrap(pool_mod.BlockPool, "write_pages", "write_pages"),
+                        clock.wrap(pagecopy.PageCopies, "run", "host copies")]
+                try:
+                    host, tail = once()
+                finally:
+                    for u in reversed(undo):
+                        u()
+                rows.append({"restore": host, "device tail": tail, **clock.s})
+            keys = rows[0].keys()
+            out[label] = {k + "_ms": round(statistics.median(r.get(k, 0.0) for r in rows) * 1e3, 2) for k in keys}
+
+        run_variant("default")
+        group = restore_mod.READ_GROUP_NBYTES
+        restore_mod.READ_GROUP_NBYTES = 1 << 40
+        run_variant("one read group")
+        restore_mod.READ_GROUP_NBYTES = group
+        workers = pageread.READ_WORKERS
+        pageread.READ_WORKERS = 1
+        run_variant("one reader")
+        pageread.READ_WORKERS = workers
+
+        def get_pages_one_thread():
+            with store.get_pages(digests):
+                pass
+
+        def read_pages_threads():
+            with pageread.read_pages(store, digests):
+                pass
+
+        out["get_pages_1_thread_ms"] = median_s(get_pages_one_thread) * 1e3
+        out["read_pages_16_readers_ms"] = median_s(read_pages_threads) * 1e3
+        staging = DeviceStaging()
+        array, host = staging.take(shape.nbytes)
+        page = shape.page_nbytes
+        rows = [host[i * page : (i + 1) * page] for i in range(len(digests))]
+        with store.get_pages(digests) as views:
+            pairs = [(rows[i], np.frombuffer(v, dtype=np.uint8)) for i, v in enumerate(views)]
+            for threads in (8, 16):
+                def copy_all(threads=threads):
+                    step = -(-len(pairs) // threads)
+                    with ThreadPoolExecutor(threads) as pool:
+                        list(pool.map(lambda i: [np.copyto(t, s) for t, s in pairs[i : i + step]],
+                                      range(0, len(pairs), step)))
+                out[f"copy_verified_views_{threads}_threads_ms"] = median_s(copy_all) * 1e3
+        out["read_pages_into_staging_ms"] = median_s(lambda: store.read_pages_into(digests, rows)) * 1e3
+        planes = [mx.zeros((shape.blocks, 2, 8, 256, 128), mx.bfloat16) for _ in range(shape.layers)]
+        mx.eval(planes)
+
+        def device_part():
+            # staging holds block-major pages (block i, layer j at i * L + j): one strided
+            # read per layer, as a per-layer staging layout would give in one slice
+            staged = array[: shape.nbytes].view(mx.bfloat16).reshape(shape.blocks, shape.layers, 2, 8, 256, 128)
+            for j in range(shape.layers):
+                planes[j][0 : shape.blocks] = staged[:, j]
+            mx.eval(planes)
+
+        out["device_copies_from_staging_ms"] = median_s(device_part) * 1e3
+        profiler = cProfile.Profile()
+        profiler.enable()
+        once()
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(20)
+        out["profile"] = text.getvalue()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the figures here")
-    parser.add_argument("--sections", nargs="+", default=["hashing", "transfer", "restore"])
+    parser.add_argument("--sections", nargs="+", default=["hashing", "transfer", "restore", "stages"])
     parser.add_argument("--quick", action="store_true", help="64 pages, a 16 MiB restore (a smoke run)")
     args = parser.parse_args(argv)
     global PAGES
@@ -184,15 +329,16 @@ def main(argv: list[str] | None = None) -> int:
     for section in args.sections:
         t0 = time.perf_counter()
         report[section] = {"hashing": hashing, "transfer": transfer,
-                           "restore": lambda _: restore_profile(args.quick)}[section](pages)
+                           "restore": lambda _: restore_profile(args.quick),
+                           "stages": lambda _: stages(args.quick)}[section](pages)
         figures = {k: (round(v, 1) if isinstance(v, float) else v)
                    for k, v in report[section].items() if k != "profile"}
         print(f"{section} ({time.perf_counter() - t0:.1f} s): {figures}", flush=True)
         if "profile" in report[section]:
             print(report[section]["profile"], flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        if args.json:  # after every section: a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
     return 0
 
 

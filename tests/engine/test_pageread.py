@@ -1,0 +1,140 @@
+"""The fused read (engine/pageread.py read_into, engine/pagecopy.py DeferredCopies): every
+page handed to its sink is the verified stored page, byte for byte (tolerance 0); a
+damaged page is never handed over, raises IntegrityError and is quarantined; a restore
+that meets one gives back the blocks it had laid out; a page whose length is not its
+block's is refused before anything is copied from it."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.attention import installed
+from engine.engine_model import EngineModel
+from engine.errors import FormatMismatch
+from engine.models import make_cache
+from engine.pagecopy import DeferredCopies, page_regions
+from engine.pageread import read_into
+from engine.policy import KVPolicy
+from engine.publish import publish
+from engine.restore import RestoreRequest, restore
+from kvstore.errors import IntegrityError
+from kvstore.ids import page_digest
+from kvstore.pages import HEADER_NBYTES
+from kvstore.store import Store
+from tests.engine.factories import prompt_tokens, tiny_model
+from tests.kvstore.factories import flip_bit, stored_value
+
+PAGE_NBYTES = 4096 + 512  # not a multiple of the chunk: runs end mid-chunk
+
+
+def _pages(count: int, seed: int = 0) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, PAGE_NBYTES, dtype=np.uint8).tobytes() for _ in range(count)]
+
+
+@pytest.mark.parametrize("workers", [1, 3, 4])
+@pytest.mark.parametrize("page_nbytes", [PAGE_NBYTES, 1])  # one page per get_pages; many
+def test_read_into_hands_each_page_its_stored_bytes_once(tmp_path, workers, page_nbytes):
+    pages = _pages(48)
+    digests = [page_digest(p) for p in pages]
+    got: dict[int, bytes] = {}
+    with Store(tmp_path / "s") as store:
+        store.put_pages(dict(zip(digests, pages, strict=True)))
+        read_into(store, digests, lambda i, view: got.setdefault(i, bytes(view)) and None,
+                  page_nbytes, workers=workers)
+    assert sorted(got) == list(range(len(pages)))
+    assert all(got[i] == pages[i] for i in range(len(pages)))
+
+
+def test_read_into_never_hands_over_a_damaged_page(tmp_path):
+    pages = _pages(48, seed=1)
+    digests = [page_digest(p) for p in pages]
+    victim = 29
+    path = tmp_path / "s"
+    with Store(path) as store:
+        store.put_pages(dict(zip(digests, pages, strict=True)))
+        value = stored_value(store, digests[victim])
+    flip_bit(path, value, HEADER_NBYTES * 8 + 9)  # a bit of the page's bytes
+    handed: list[int] = []
+    with Store(path) as store:
+        with pytest.raises(IntegrityError) as raised:
+            read_into(store, digests, lambda i, view: handed.append(i), PAGE_NBYTES, workers=4)
+        assert digests[victim].hex() in str(raised.value)
+        assert victim not in handed
+        assert store.stats().quarantined_count == 1
+
+
+def test_a_page_of_the_wrong_length_is_refused_before_it_is_copied():
+    copies = DeferredCopies()
+    target = np.zeros((1, 4, 8), dtype=np.uint8)
+    (stand_in,) = copies.stand_ins([32])
+
+    class Spec:  # page_regions needs the plane layout only
+        plane_names, kv_heads = ("k",), 1
+        plane_widths, plane_dtypes = {"k": 8}, {"k": mx.uint8}
+
+        def page_nbytes(self, tokens):
+            return tokens * 8
+
+    copies.add(stand_in, page_regions(Spec(), 4), {"k": target})
+    with pytest.raises(FormatMismatch):
+        copies.copy(0, bytes(range(40)))
+    assert not target.any()
+    copies.copy(0, bytes(range(32)))
+    assert target.tobytes() == bytes(range(32))
+
+
+def test_a_restore_that_meets_a_damaged_page_gives_its_blocks_back(tmp_path):
+    model = tiny_model("llama", mx.bfloat16)
+    policy = KVPolicy(block_size_tokens=16)
+    tokens = prompt_tokens(64, seed=5).tolist()
+    engine_model = EngineModel(model, "test/tiny", policy=policy)
+    cache = make_cache(model, policy)
+    with installed(model):
+        mx.eval(model(mx.array([tokens]), cache=cache))
+    path = tmp_path / "store"
+    with Store(path) as store:
+        publish(engine_model, store, tokens, cache)
+        match = store.lookup_prefix(engine_model.identity.format_id, "default", tokens)
+        value = stored_value(store, match.blocks[3].pages[-1])  # the last page read
+    for c in cache:
+        c.free()
+    flip_bit(path, value, HEADER_NBYTES * 8 + 77)
+    with Store(path) as store:
+        free = [pool.num_free_blocks for pool in engine_model.pools if pool is not None]
+        with pytest.raises(IntegrityError) as raised:  # holds the failed restore's frames
+            restore(engine_model, store, RestoreRequest(tokens + [0]))
+        assert raised.value is not None
+        assert [pool.num_free_blocks for pool in engine_model.pools if pool is not None] == free
+
+
+def test_grouped_and_fused_restores_give_the_same_bytes(tmp_path, monkeypatch):
+    """The device path's reading in groups of layers (here one layer a group), run on the
+    CPU, against the fused read: the same pages, byte for byte (tolerance 0)."""
+    import sys
+
+    from engine.publish import capture
+
+    restore_module = sys.modules["engine.restore"]  # engine.restore names the function
+    model = tiny_model("llama", mx.bfloat16)
+    policy = KVPolicy(block_size_tokens=16)
+    tokens = prompt_tokens(56, seed=6).tolist()  # the last block holds 8 tokens
+    engine_model = EngineModel(model, "test/tiny", policy=policy)
+    cache = make_cache(model, policy)
+    with installed(model):
+        mx.eval(model(mx.array([tokens]), cache=cache))
+    with Store(tmp_path / "store") as store:
+        publish(engine_model, store, tokens, cache)
+        fused = restore(engine_model, store, RestoreRequest(tokens + [0]))
+        monkeypatch.setattr(restore_module, "_fused", lambda store, plan: False)
+        monkeypatch.setattr(restore_module, "READ_GROUP_NBYTES", 1)
+        grouped = restore(engine_model, store, RestoreRequest(tokens + [0]))
+    assert fused.tokens_restored == grouped.tokens_restored == len(tokens)
+    a = capture(engine_model.identity, tokens, fused.cache)
+    b = capture(engine_model.identity, tokens, grouped.cache)
+    want = capture(engine_model.identity, tokens, cache)
+    for x, y, z in zip(a.layers, b.layers, want.layers, strict=True):
+        assert [bytes(x.page(i)) for i in range(4)] == [bytes(y.page(i)) for i in range(4)] \
+            == [bytes(z.page(i)) for i in range(4)]
