@@ -17,8 +17,8 @@ What is garbage:
                        less than compact_below (default 0.25) of its committed tail,
                        other than the highest one (where saves append) and one already
                        retired. execute() compacts it (compact_segment): under the
-                       writer lock (the flock on <store>/segments.lock that put_pages
-                       takes), each live record is verified as a read verifies it,
+                       writer lock (kvstore/segments.py writer_lock: the flock on
+                       <store>/segments.lock that put_pages takes), each live record is verified as a read verifies it,
                        copied to the append position, fdatasync'ed, and then one index
                        transaction rebinds the pages still there to their copies, makes
                        the old records dead and marks the segment retired (with the
@@ -64,13 +64,12 @@ import fcntl
 import json
 import os
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from kvstore import faults, fileio
 from kvstore.errors import GCAborted, InvalidInput
 from kvstore.index import SCHEMA_V2, StoreIndex
-from kvstore.segments import Location, PendingRecord
+from kvstore.segments import Location, PendingRecord, writer_lock
 
 BATCH = 256
 DEFAULT_COMPACT_BELOW = 0.25  # compact a segment whose live records span less than this
@@ -325,20 +324,6 @@ def compaction_candidates(index: StoreIndex, compact_below: float, *,
     return out
 
 
-@contextmanager
-def segment_writer(store):
-    """The writer lock of <store>/segments.lock (docs/format.md section 10): the same
-    exclusive flock put_pages holds from reading the committed tails to its index
-    commit. flock locks belong to open files, so a save on another thread of this
-    process waits for it too."""
-    fd = fileio.open_lock(store.path / "segments.lock")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 def compact_segment(store, segment: int, compact_below: float = 1.0) -> CompactionResult | None:
     """Copy the live records of `segment` to the append position and retire it (the
     module docstring). Re-examined under the writer lock: None, changing nothing, when
@@ -346,7 +331,7 @@ def compact_segment(store, segment: int, compact_below: float = 1.0) -> Compacti
     compact_below. Raises what the appends and syncs raise (StoreFull, StoreIOError):
     nothing is then rebound, and the copies are unreachable bytes past the tail."""
     files = store.index.segments
-    with segment_writer(store):
+    with writer_lock(store.path):  # the lock put_pages appends under
         with store.index.read() as index:
             tails = index.segment_tails()
             if (segment not in tails or segment == max(tails)

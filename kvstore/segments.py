@@ -56,18 +56,21 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import mmap
 import os
 import re
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import xxhash
 
+from kvstore import fileio
 from kvstore.errors import StoreFull, StoreIOError
 from kvstore.pages import CODEC_RAW, PageHeader, raw_page_header
 from kvstore.pages import HEADER_NBYTES as PAGE_HEADER_NBYTES
@@ -83,6 +86,7 @@ PARALLEL_WRITE_NBYTES = 8 << 20  # below this an append writes on the caller's t
 LOCATION = struct.Struct(">IIQQ")  # segment, flags, offset, length
 DEFAULT_SEGMENT_NBYTES = 1 << 30
 SEGMENT_NAME = re.compile(r"^([0-9a-f]{8})\.seg$")
+WRITER_LOCK_NAME = "segments.lock"  # in the store directory: writer_lock()
 _ZEROS = bytes(RECORD_ALIGN)
 WRITEBACK_NBYTES = 8 << 20  # an append starts writeback of every 8 MiB it has written
 SYNC_FILE_RANGE_WRITE = 0x02
@@ -118,6 +122,22 @@ class Location:
     @property
     def end(self) -> int:
         return self.offset + self.span_nbytes
+
+
+@contextmanager
+def writer_lock(store_path: Path):
+    """The segment writer lock of the store at store_path (docs/format.md section 10):
+    an exclusive flock on <store>/segments.lock, held by whoever appends records, from
+    reading the committed tails to the index commit that moves them (Store.put_pages,
+    GC's compaction). The file is opened per use, so a forked child never shares its
+    parent's lock; flock locks belong to open files, so another thread of this process
+    waits for it too."""
+    fd = fileio.open_lock(Path(store_path) / WRITER_LOCK_NAME)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def align_up(nbytes: int) -> int:

@@ -24,7 +24,6 @@ that change it; `Store.index` hands it out one transaction at a time.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +34,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from kvstore import faults, fileio
+from kvstore import faults
 from kvstore.check import CheckReport, check_store
 from kvstore.errors import (
     AlreadyExists,
@@ -90,6 +89,7 @@ from kvstore.segments import (
     SegmentFiles,
     align_up,
     verify_record,
+    writer_lock,
 )
 from kvstore.records import BlockRecord, Checkpoint, checkpoint_key
 from kvstore.results import CommitResult, PrefixMatch, PutResult, StoreStats
@@ -358,13 +358,8 @@ class Store:
         """One appender at a time: this process's threads (a lock), and other processes
         (an exclusive flock on <store>/segments.lock, opened per save, so a forked child
         never shares the parent's lock)."""
-        with self._writer_lock:
-            fd = fileio.open_lock(self.path / "segments.lock")
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                yield
-            finally:
-                os.close(fd)
+        with self._writer_lock, writer_lock(self.path):
+            yield
 
     @contextmanager
     def get_pages(self, digests: Sequence) -> Iterator[list]:
