@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -68,6 +69,20 @@ SIZES = {
 # lazy: 14 GB written without first holding the model in float32); the others as before.
 BUILD = {"8b": dict(dtype="bfloat16", lazy=True),
          "8b-rehearsal": dict(dtype="bfloat16", lazy=True)}
+# serve-model settings a size needs beyond the defaults. An 8B's bf16 KV is 128 KiB per
+# token, so one 2K-token capture (about 259 MiB) is over the write-behind queue's default
+# cap (--publish-queue 256MiB) and is dropped whole: the first H200 run published nothing.
+# 2GiB holds an 8K capture (about 1 GiB); a 1 GiB drain gets a minute.
+SERVE_ARGS = {"8b": ("--publish-queue", "2GiB", "--drain-timeout", "60s")}
+
+
+def _serve_metrics(server) -> dict[str, float]:
+    """serve-model's store-tier counters (publication, lookups) from its /metrics."""
+    try:
+        return {k: v for k, v in server.metrics().items()
+                if any(w in k for w in ("publish", "l2_", "l1_", "tokens_computed"))}
+    except OSError as e:
+        return {"error": str(e)}
 
 
 def _client(server):
@@ -176,6 +191,7 @@ def run(size: str, contexts: list[int], repeats: int, clients: int, max_tokens: 
                   f"({sum(f.stat().st_size for f in model.iterdir()) / 1e9:.2f} GB)")
     logs = work / "logs"
     logs.mkdir()
+    extra = SERVE_ARGS.get(size, ())
     rows = []
     per_word = _tokens_per_word(model)
     for context in contexts:
@@ -184,9 +200,13 @@ def run(size: str, contexts: list[int], repeats: int, clients: int, max_tokens: 
         stock_s, served_s, prompt, cached = [], [], 0, 0
         warmups = {"stock": [], "served": []}
         filled = work / f"store-{context}-filled"
-        with serve_model(model, env, logs / "fill.log", "--store", str(filled)) as server:
+        with serve_model(model, env, logs / "fill.log", "--store", str(filled), *extra) as server:
             ttft(server, warm)  # publishes the system prompt; SIGINT drains it
-        _progress(f"{context}: store filled ({sum(f.stat().st_size for f in filled.rglob('*') if f.is_file()) / 1e6:.0f} MB)")
+            time.sleep(0.5)  # insert_cache runs after the last chunk
+            fill_metrics = _serve_metrics(server)
+        filled_mb = sum(f.stat().st_size for f in filled.rglob('*') if f.is_file()) / 1e6
+        _progress(f"{context}: store filled ({filled_mb:.0f} MB); fill server's publish "
+                  f"counters {({k: v for k, v in fill_metrics.items() if 'publish' in k})}")
         for _ in range(repeats):
             began = time.perf_counter()
             with stock_server(model, env, logs / "stock.log") as server:
@@ -200,11 +220,12 @@ def run(size: str, contexts: list[int], repeats: int, clients: int, max_tokens: 
             fresh = work / f"store-{context}-{len(served_s)}"
             shutil.copytree(filled, fresh)  # each restart finds the store the fill left
             began = time.perf_counter()
-            with serve_model(model, env, logs / "served.log", "--store", str(fresh)) as server:
+            with serve_model(model, env, logs / "served.log", "--store", str(fresh), *extra) as server:
                 up = time.perf_counter() - began
                 if warm_start:
                     warmups["served"].append(_warm_start(server))
                 seconds, prompt, cached = ttft(server, turn)
+                served_metrics = _serve_metrics(server)
             served_s.append(seconds)
             _progress(f"{context}: serve-model TTFT {seconds:.3f} s, {cached} cached (up in "
                       f"{up:.1f} s" + (f", warm-up {warmups['served'][-1]:.2f} s)" if warm_start
@@ -214,8 +235,11 @@ def run(size: str, contexts: list[int], repeats: int, clients: int, max_tokens: 
                      "serve_model_ttft_s": statistics.median(served_s),
                      "speedup": statistics.median(stock_s) / statistics.median(served_s),
                      "stock_ttft_all_s": stock_s, "serve_model_ttft_all_s": served_s,
-                     "warm_start_s": warmups if warm_start else None})
+                     "warm_start_s": warmups if warm_start else None,
+                     "store_filled_mb": filled_mb, "fill_metrics": fill_metrics,
+                     "serve_model_metrics_last": served_metrics})
     result = {"size": size, "model": {**SIZES[size], **BUILD.get(size, {})}, "repeats": repeats,
+              "serve_model_args": list(SERVE_ARGS.get(size, ())),
               "warm_start": warm_start,
               "ttft": rows, "load_average": {"start": load_start, "end": None},
               "throughput": None}
@@ -228,7 +252,7 @@ def run(size: str, contexts: list[int], repeats: int, clients: int, max_tokens: 
     tokens = {"stock": 0, "served": 0}
     with stock_server(model, env, logs / "stock-tput.log") as stock, \
             serve_model(model, env, logs / "served-tput.log", "--store",
-                        str(work / "store-tput")) as served:
+                        str(work / "store-tput"), *extra) as served:
         arms = {"stock": stock, "served": served}
         for name, server in arms.items():  # first-request costs out of the rounds
             throughput(server, clients, words, max_tokens, 10_000 + len(tps[name]) + (name == "served"))
@@ -295,17 +319,26 @@ def main(argv=None) -> int:
                              "timed one (waits out the model load and first-use kernel "
                              "compilation, which both arms pay): TTFT of the prompt alone")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--logs", default=None, type=Path,
+                        help="copy the servers' logs here at the end")
     parser.add_argument("--model-dir", default=None, type=Path,
                         help="build the model directory here and reuse it if it is there "
                              "(it must have been built at the same --size)")
     args = parser.parse_args(argv)
+    # `timeout` stops a run with SIGTERM: exit through the with-blocks (servers stopped,
+    # --logs copied) instead of dying with the servers still running
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     size = args.size or ("quick" if args.quick else "cpu")
     contexts = [int(c) for c in (args.contexts or ("2048" if args.quick else "2048,8192")).split(",")]
     repeats = args.repeats or (1 if args.quick else 3)
     with tempfile.TemporaryDirectory(prefix="bench-server-") as work:
-        result = run(size, contexts, repeats, args.clients, args.max_tokens, Path(work),
-                     (4 if args.quick else 6) if args.rounds is None else args.rounds,
-                     args.model_dir, args.warm_start)
+        try:
+            result = run(size, contexts, repeats, args.clients, args.max_tokens, Path(work),
+                         (4 if args.quick else 6) if args.rounds is None else args.rounds,
+                         args.model_dir, args.warm_start)
+        finally:  # a run cut short (or killed by SIGTERM from timeout) keeps them too
+            if args.logs is not None and (Path(work) / "logs").is_dir():
+                shutil.copytree(Path(work) / "logs", args.logs, dirs_exist_ok=True)
     print(render(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

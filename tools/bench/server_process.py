@@ -17,7 +17,7 @@ from pathlib import Path
 PYTHON = sys.executable
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 90.0
-STOP_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 90.0  # serve-model drains its uploads first (--drain-timeout)
 
 
 def free_port() -> int:

@@ -22,12 +22,18 @@
 # Locally (a CPU rehearsal of the same steps on a small model, PYTHONPATH already set):
 #   ISSUE21_NO_INSTALL=1 SIZE=8b-rehearsal OUT=/tmp/i21 bash tools/bench/profile/issue21_h200.sh
 #
-# Settings (environment): SIZE (8b), REPEATS (3), ROUNDS (4), T2K and TW (timeouts in s of
-# the 2K run, which also measures throughput, and of the warm-start 2K + 8K run; 0 skips).
+# Settings (environment): SIZE (8b), REPEATS (3), ROUNDS (4), WARM_CONTEXTS (2048,8192),
+# T2K and TW (timeouts in s of the 2K run, which also measures throughput, and of the
+# warm-start run; 0 skips one). On the H200 each restart of an 8B-shaped server costs about
+# 20 s (7 s to /health, 12-15 s of model load in the first request, the stop), so the 2K
+# run is about 21 s x (1 + 2 REPEATS + 2) + 30 s of throughput rounds, the warm run about
+# 23 s x (1 + 2 REPEATS) per context: REPEATS=1 ROUNDS=2 T2K=150 TW=160 fits one call
+# with the 17 s model build and the install.
 set -u
 export PYTHONUNBUFFERED=1
 SIZE=${SIZE:-8b}
 REPEATS=${REPEATS:-3}
+WARM_CONTEXTS=${WARM_CONTEXTS:-2048,8192}
 ROUNDS=${ROUNDS:-4}
 T2K=${T2K:-200}
 TW=${TW:-200}
@@ -71,8 +77,9 @@ bench() {  # name, timeout, args...
   local name=$1 limit=$2; shift 2
   [ "$limit" -gt 0 ] || { say "$name skipped"; return; }
   say "$name: start (limit ${limit}s)"
-  timeout "$limit" python3 -m tools.bench.server --size "$SIZE" --model-dir "$MODEL" \
-    --repeats "$REPEATS" --json "$OUT/$name.json" "$@" > "$OUT/$name.md" 2> "$OUT/$name.err"
+  timeout -k 100 "$limit" python3 -m tools.bench.server --size "$SIZE" --model-dir "$MODEL" \
+    --repeats "$REPEATS" --json "$OUT/$name.json" --logs "$OUT/logs_$name" "$@" \
+    > "$OUT/$name.md" 2> "$OUT/$name.err"
   local rc=$?
   say "$name: rc=$rc"
   grep -v PyTorch "$OUT/$name.err" | tail -n 30
@@ -82,7 +89,10 @@ bench() {  # name, timeout, args...
 # which waits for the model load), and throughput; then 2K and 8K with one warm-up
 # request before the timed one (the prompt's own TTFT)
 bench server_${SIZE}_2k "$T2K" --contexts 2048 --rounds "$ROUNDS"
-bench server_${SIZE}_warm "$TW" --contexts 2048,8192 --rounds 0 --warm-start
+bench server_${SIZE}_warm "$TW" --contexts "$WARM_CONTEXTS" --rounds 0 --warm-start
+# what serve-model logged about the store (publications, drops, lookups), kept short
+grep -h -i -E "write-behind|dropped|publish|restor|tier|error|Traceback" "$OUT"/logs_*/*.log \
+  2>/dev/null | grep -v "GET /health" | sort | uniq -c | sort -rn | head -n 20
 ls -la "$MODEL" > "$OUT/model_dir.txt" 2>&1
 rm -rf "$MODEL"
 say "done"
