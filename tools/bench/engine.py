@@ -13,7 +13,8 @@ chunk as mlx-lm's generate_step does, through the first token's argmax; prefill 
 is the prompt over it; the chunks' own times are kept), decode tokens/s at that context
 (greedy, one token per step, evaluated every step; median over segments of 4), with
 --interleaved N also every arm side by side, one step each per round (load from other
-processes then falls on all arms alike: the fairer ratio on a shared CPU), the same
+processes then falls on all arms alike: the fairer ratio on a shared CPU; and with
+--interleaved-prefill N the TTFT with the arms taking turns, N rounds), the same
 overlapped as mlx-lm's generate_step runs it (the next step built and launched before this
 one's token is read; another --decode tokens), the Python
 time to build one decode step's graph (the per-step work outside the kernels: block
@@ -231,6 +232,42 @@ def interleaved_decode(model, factories: dict, prompt: mx.array, rounds: int, st
     return out
 
 
+def interleaved_prefill(model, factories: dict, prompt: mx.array, rounds: int, step: int) -> dict:
+    """TTFT with the arms taking turns: each round prefills the whole prompt once into a
+    fresh cache of every arm (the first arm moves by one each round, so none is always
+    first or last), chunk by chunk through the first token's argmax as measure() does.
+    Per arm: the median TTFT, the median over rounds of KVCache's TTFT over the arm's
+    (above 1: faster) and each round's TTFT; per round the load average when it began.
+    Arms that raise are left out with their error."""
+    names, out = list(factories), {}
+    for name in list(names):  # warm: every arm's graphs and compiled encoders once
+        try:
+            prefill(model, factories[name](), prompt[:min(prompt.size, 2 * step)], step)
+        except Exception as error:  # an arm that cannot run is a result
+            out[name] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+            names.remove(name)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    loads = []
+    for index in range(rounds):
+        with open("/proc/loadavg") as handle:
+            loads.append(handle.read().split()[:3])
+        for name in names[index % len(names):] + names[:index % len(names)]:
+            cache = factories[name]()
+            began = time.perf_counter()
+            mx.eval(prefill(model, cache, prompt, step).argmax())
+            times[name].append(time.perf_counter() - began)
+            del cache
+            mx.clear_cache()
+    base = times[BASELINE]
+    for name in names:
+        out[name] = {"ttft_ms": statistics.median(times[name]) * 1e3,
+                     "x_kvcache_within_rounds": statistics.median(
+                         b / t for b, t in zip(base, times[name], strict=True)),
+                     "rounds_ms": [round(t * 1e3, 1) for t in times[name]]}
+    out["loadavg_per_round"] = loads
+    return out
+
+
 def table(results: dict, baseline: str) -> str:
     """Markdown rows; TTFT "x" is KVCache's TTFT over the arm's (above 1: faster)."""
     base = results[baseline]
@@ -289,6 +326,9 @@ def main(argv=None) -> int:
     parser.add_argument("--interleaved", type=int, default=0, metavar="ROUNDS",
                         help="also decode all arms side by side for ROUNDS rounds, one step of "
                              "each per round (a fairer ratio on a shared machine)")
+    parser.add_argument("--interleaved-prefill", type=int, default=0, metavar="ROUNDS",
+                        help="also prefill every arm in turn for ROUNDS rounds (TTFT ratios "
+                             "within rounds: the fairer prefill ratio on a shared machine)")
     parser.add_argument("--profile", action="store_true",
                         help="add each arm's cProfile of decode-step graph building (decode_build_profile)")
     args = parser.parse_args(argv)
@@ -324,6 +364,11 @@ def main(argv=None) -> int:
                           file=sys.stderr, flush=True)
                     mx.clear_cache()
             report["contexts"][context] = {name: median_result(runs) for name, runs in samples.items()}
+            if args.interleaved_prefill:
+                chosen = {name: f for name, f in all_arms.items() if name in wanted}
+                report.setdefault("interleaved_prefill", {})[context] = interleaved_prefill(
+                    model, chosen, prompt, args.interleaved_prefill, args.prefill_step)
+                mx.clear_cache()
             if args.interleaved:
                 chosen = {name: f for name, f in all_arms.items() if name in wanted}
                 report.setdefault("interleaved_decode", {})[context] = interleaved_decode(
@@ -347,6 +392,15 @@ def main(argv=None) -> int:
     for context, results in report["contexts"].items():
         print(f"### context {context} tokens\n")
         print(table(results, BASELINE) + "\n")
+        turns = report.get("interleaved_prefill", {}).get(context)
+        if turns:
+            print(f"interleaved prefill, {args.interleaved_prefill} rounds (median TTFT ms; "
+                  "x KVCache within rounds, above 1 faster):\n")
+            for name, r in turns.items():
+                if name != "loadavg_per_round":
+                    print(f"- {name}: " + (r["error"] if "error" in r else
+                          f"{r['ttft_ms']:.1f} ms, {r['x_kvcache_within_rounds']:.3f}x"))
+            print()
         side = report.get("interleaved_decode", {}).get(context)
         if side:
             print(f"interleaved decode, {args.interleaved} rounds (median step ms; x KVCache "
