@@ -45,29 +45,58 @@ MIN_PAGES_PER_READER = 8  # below this a thread costs more than it saves
 def read_pages(store: PageReader, digests: Sequence, workers: int | None = None) -> Iterator[list]:
     """Verified page buffers in digest order, valid inside the with-block (see the
     module docstring); on up to `workers` threads (default READ_WORKERS)."""
-    digests = list(digests)
-    workers = READ_WORKERS if workers is None else workers
-    if not digests:
-        yield []
-        return
-    workers = min(workers, len(digests) // MIN_PAGES_PER_READER)
-    if workers <= 1 or not store.maps_pages:
-        with store.get_pages(digests) as views:
-            yield views
-        return
-    step = -(-len(digests) // workers)
-    runs = [digests[i : i + step] for i in range(0, len(digests), step)]
-    readers = [_Reader(store, run) for run in runs]
+    pending = PendingRead(store, digests, workers)
     try:
-        for reader in readers:
-            reader.start()
-        for reader in readers:
+        yield pending.views()
+    finally:
+        pending.close()
+
+
+class PendingRead:
+    """A read_pages started without waiting for it: for a store that maps its pages the
+    readers verify their runs while the caller does other work (a restore copies the
+    previous group of layers meanwhile). views() waits for them and returns the verified
+    views in digest order (or raises the first reader's error); the views stay valid
+    until close(), which the caller must call (it is idempotent). A store that fetches,
+    or a read too small for threads, is read by views() on the caller's thread."""
+
+    def __init__(self, store: PageReader, digests: Sequence, workers: int | None = None):
+        self.store, self.digests = store, list(digests)
+        workers = READ_WORKERS if workers is None else workers
+        workers = min(workers, len(self.digests) // MIN_PAGES_PER_READER)
+        self._inline = None  # the caller-thread get_pages, once views() entered it
+        self._readers: list[_Reader] = []
+        if workers > 1 and store.maps_pages:
+            step = -(-len(self.digests) // workers)
+            self._readers = [_Reader(store, self.digests[i : i + step])
+                             for i in range(0, len(self.digests), step)]
+            try:
+                for reader in self._readers:
+                    reader.start()
+            except BaseException:
+                self.close()
+                raise
+
+    def views(self) -> list:
+        if not self.digests:
+            return []
+        if not self._readers:
+            if self._inline is None:
+                self._inline = self.store.get_pages(self.digests)
+                self._inline_views = self._inline.__enter__()
+            return self._inline_views
+        for reader in self._readers:
             reader.ready.wait()
-        failed = next((r.error for r in readers if r.error is not None), None)
+        failed = next((r.error for r in self._readers if r.error is not None), None)
         if failed is not None:
             raise failed
-        yield [view for reader in readers for view in reader.views]
-    finally:
+        return [view for reader in self._readers for view in reader.views]
+
+    def close(self) -> None:
+        inline, self._inline = self._inline, None
+        if inline is not None:
+            inline.__exit__(None, None, None)
+        readers, self._readers = self._readers, []
         for reader in readers:
             reader.done.set()
         for reader in readers:
@@ -154,4 +183,4 @@ class _Reader(threading.Thread):
             self.ready.set()
 
 
-__all__ = ["read_into", "read_pages", "READ_WORKERS"]
+__all__ = ["PendingRead", "read_into", "read_pages", "READ_WORKERS"]

@@ -86,7 +86,7 @@ from engine.pagecopy import (
     host_view,
     page_regions,
 )
-from engine.pageread import read_into, read_pages
+from engine.pageread import PendingRead, read_into, read_pages
 from engine.publish import DEFAULT_NAMESPACE
 from engine.stock import ConvertedQuantizedKVCache, TrackedKVCache
 from kvstore.errors import IncompatibleFormat, NotFound
@@ -218,12 +218,13 @@ def _pages(store: PageReader, digests: list):
         yield views
 
 
-# A local store's pages are read (verified by the store, engine/pageread.py) this many
-# bytes of layers at a time, each group just before its copies: the copies then read
-# bytes the hashing has just brought into the CPU's caches, and on a device backend the
-# device's copies of one group overlap the host's reading of the next. A store that
-# fetches (maps_pages False: one request per get_pages) is read in one call.
-READ_GROUP_NBYTES = 64 * 2**20
+# Where restores do not read fused (a device backend: engine/pagecopy.py direct_writes),
+# a local store's pages are read in groups of layers of about this many bytes, pipelined:
+# the readers verify the next group while this one is copied into staging. H200, 1 GiB
+# (8B-shaped, 8K tokens), groups read one after another: 64 MiB 175 ms, one read 143 ms
+# (tools/bench/profile/restore_h200.py stages). A store that fetches (maps_pages False:
+# one request per get_pages) is read in one call.
+READ_GROUP_NBYTES = 128 * 2**20
 
 
 def _read_groups(store: PageReader, plan: "_Plan", n_blocks: int) -> list[list[int]]:
@@ -599,13 +600,23 @@ def _read_fused(engine_model: EngineModel, store: PageReader, plan: _Plan, fetch
 def _read_grouped(engine_model: EngineModel, store: PageReader, plan: _Plan, fetched: list,
                   caches: list, adopted: dict, grant: Grant | None) -> int:
     """The paged layers' pages read in groups (_read_groups: verified views, on several
-    reader threads for a store that maps its pages), each group's layers laid out and
-    their pages copied while its views are valid. Returns the bytes read."""
+    reader threads for a store that maps its pages), pipelined: while one group's layers
+    are laid out and their pages copied (into staging, on a device backend), the readers
+    already verify the next group's. Returns the bytes read."""
     paged, n = plan.identity.paged_layers, len(fetched)
-    copies, nbytes = PageCopies(), 0
-    for group in _read_groups(store, plan, n):  # runs of indices into paged
+    groups = _read_groups(store, plan, n)  # runs of indices into paged
+
+    def start(group: list[int]) -> PendingRead:
         # layer-major: pages of block i, layer paged[group[g]] at views[g * n + i]
-        with _pages(store, [fetched[i].pages[j] for j in group for i in range(n)]) as views:
+        return PendingRead(store, [fetched[i].pages[j] for j in group for i in range(n)])
+
+    copies, nbytes = PageCopies(), 0
+    pending = [start(groups[0])] if groups else []
+    try:
+        for k, group in enumerate(groups):
+            views = pending[k].views()
+            if k + 1 < len(groups):
+                pending.append(start(groups[k + 1]))  # verified while this group is copied
             nbytes += sum(len(v) for v in views)
             try:
                 for g, j in enumerate(group):
@@ -615,7 +626,11 @@ def _read_grouped(engine_model: EngineModel, store: PageReader, plan: _Plan, fet
                     copies.start()  # this layer's copies overlap the next one's layout
                 copies.run()  # every page once, into the pools, the caches' arrays or staging
             finally:
-                copies.wait()  # no copy still reads a view once the with-block ends
+                copies.wait()  # no copy still reads a view once it is closed
+            pending[k].close()
+    finally:
+        for read in pending:
+            read.close()
     return nbytes
 
 

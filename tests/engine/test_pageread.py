@@ -86,7 +86,17 @@ def test_a_page_of_the_wrong_length_is_refused_before_it_is_copied():
     assert target.tobytes() == bytes(range(32))
 
 
-def test_a_restore_that_meets_a_damaged_page_gives_its_blocks_back(tmp_path):
+@pytest.mark.parametrize("path", ["fused", "grouped"])
+def test_a_restore_that_meets_a_damaged_page_gives_its_blocks_back(tmp_path, monkeypatch, path):
+    """Fused (the CPU's path) and in pipelined groups of one layer (the device path's,
+    run on the CPU): the damaged page is in the last group, read while the one before
+    it is copied."""
+    import sys
+
+    if path == "grouped":
+        restore_module = sys.modules["engine.restore"]  # engine.restore names the function
+        monkeypatch.setattr(restore_module, "_fused", lambda store, plan: False)
+        monkeypatch.setattr(restore_module, "READ_GROUP_NBYTES", 1)
     model = tiny_model("llama", mx.bfloat16)
     policy = KVPolicy(block_size_tokens=16)
     tokens = prompt_tokens(64, seed=5).tolist()
@@ -138,3 +148,28 @@ def test_grouped_and_fused_restores_give_the_same_bytes(tmp_path, monkeypatch):
     for x, y, z in zip(a.layers, b.layers, want.layers, strict=True):
         assert [bytes(x.page(i)) for i in range(4)] == [bytes(y.page(i)) for i in range(4)] \
             == [bytes(z.page(i)) for i in range(4)]
+
+
+def test_a_pending_read_verifies_on_its_readers_and_raises_at_views(tmp_path):
+    from engine.pageread import PendingRead
+
+    pages = _pages(48, seed=2)
+    digests = [page_digest(p) for p in pages]
+    path = tmp_path / "s"
+    with Store(path) as store:
+        store.put_pages(dict(zip(digests, pages, strict=True)))
+        read = PendingRead(store, digests, workers=4)
+        try:
+            assert [bytes(v) for v in read.views()] == pages
+        finally:
+            read.close()
+        read.close()  # idempotent
+        value = stored_value(store, digests[40])
+    flip_bit(path, value, HEADER_NBYTES * 8 + 3)
+    with Store(path) as store:
+        read = PendingRead(store, digests, workers=4)
+        try:
+            with pytest.raises(IntegrityError):
+                read.views()
+        finally:
+            read.close()

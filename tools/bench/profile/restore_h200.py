@@ -209,7 +209,8 @@ def stages(quick: bool = False) -> dict:
     verified reads (get_pages on the reader threads, engine/pageread.py), host copies =
     pages into the pools' staging (PageCopies.run), write_pages = those copies plus the
     slice-update graph and its launch, device tail = mx.synchronize after restore
-    returns. Then the pieces alone: get_pages on one thread, read_pages on 16, copies of
+    returns; at the default read group size, at 64 and 256 MiB, in one read, with 16
+    copy threads (8 by default), and with one reader. Then the pieces alone: get_pages on one thread, read_pages on 16, copies of
     verified views into one DeviceStaging on 8 / 16 threads, the fused read_pages_into
     into it (verify + copy per page), and the device copies from it into the planes."""
     import engine.pool as pool_mod
@@ -258,10 +259,19 @@ def stages(quick: bool = False) -> dict:
             out[label] = {k + "_ms": round(statistics.median(r.get(k, 0.0) for r in rows) * 1e3, 2) for k in keys}
 
         run_variant("default")
+        out["default"]["read_group_MiB"] = restore_mod.READ_GROUP_NBYTES / 2**20
         group = restore_mod.READ_GROUP_NBYTES
-        restore_mod.READ_GROUP_NBYTES = 1 << 40
-        run_variant("one read group")
+        for label, nbytes in (("read groups of 64 MiB", 64 << 20), ("read groups of 256 MiB", 256 << 20),
+                              ("one read group", 1 << 40)):
+            restore_mod.READ_GROUP_NBYTES = nbytes
+            run_variant(label)
         restore_mod.READ_GROUP_NBYTES = group
+        copy_workers = pagecopy.DEFAULT_WORKERS
+        pagecopy.DEFAULT_WORKERS = min(16, os.cpu_count() or 1)
+        pagecopy._copy_pool.cache_clear()  # a pool of that many copy threads from here on
+        run_variant("16 copy threads")
+        pagecopy.DEFAULT_WORKERS = copy_workers
+        pagecopy._copy_pool.cache_clear()
         workers = pageread.READ_WORKERS
         pageread.READ_WORKERS = 1
         run_variant("one reader")
@@ -291,7 +301,9 @@ def stages(quick: bool = False) -> dict:
                                       range(0, len(pairs), step)))
                 out[f"copy_verified_views_{threads}_threads_ms"] = median_s(copy_all) * 1e3
         out["read_pages_into_staging_ms"] = median_s(lambda: store.read_pages_into(digests, rows)) * 1e3
-        planes = [mx.zeros((shape.blocks, 2, 8, 256, 128), mx.bfloat16) for _ in range(shape.layers)]
+        # twice the blocks written: a slice update covering a whole array would return the
+        # update itself (a view of the staging buffer) and copy nothing
+        planes = [mx.zeros((2 * shape.blocks, 2, 8, 256, 128), mx.bfloat16) for _ in range(shape.layers)]
         mx.eval(planes)
 
         def device_part():
