@@ -6,8 +6,9 @@ MLX ops, which made prefill into packed pages grow with the square of the contex
 H200 (issue 22). This path instead:
 
   1. gathers the blocks of all T tokens once and dequantizes them into the model dtype
-     (packed pages; native pages are gathered as stored): the workspace, priced by
-     attention.workspace_nbytes("dequantized", ...) before admission allocates it;
+     (packed pages, on CUDA in one launch: dequantized_pages; native pages are gathered
+     as stored): the workspace, priced by attention.workspace_nbytes("dequantized", ...)
+     before admission allocates it;
   2. runs one mx.fast.scaled_dot_product_attention in the model dtype, causal from the
      end (query l sits at T - L + l), with sinks.
 
@@ -23,8 +24,11 @@ it: their chunk attends in full precision nowhere.
 Numerics against the decode path (docs/kernels.md, "Prefill"): both read the same codes
 and scales for every token; prefill computes in the model dtype (bf16: 8-bit
 significand) where the decode kernels use fp16 operands and fp32 accumulation, and
-rotated keys are met by queries rotated in float32 then cast.
+rotated keys are met by queries rotated in float32 then cast. Chunk invariance is bit
+for bit on the CPU; on the H200 rotated layouts differed by one bf16 step at cuts inside
+blocks (docs/kernels.md, "Prefill": the queries' float32 rotation matmul is the suspect).
 """
+
 from __future__ import annotations
 
 import math
@@ -145,10 +149,12 @@ def fresh_is_exact(call: PagedAttentionCall, fresh: tuple[mx.array, mx.array]) -
 def workspace_nbytes(n_q_heads: int, n_kv_heads: int, num_queries: int, k_head_dim: int,
                      v_head_dim: int, context_len: int, block_size: int, layout,
                      model_dtype_nbytes: int) -> int:
-    """Peak temporaries of one call: the gathered pages (stored bytes), for packed pages
-    the unpacked codes and the float32 dequantization, the history in the model dtype
-    (twice: gathered, then concatenated with the chunk), rotated queries, and the scores
-    [Hq, L, T] float32 the SDPA may materialise."""
+    """Peak temporaries of one call over all T tokens (the chunk's own included): the
+    gathered pages (stored bytes), for packed pages the unpacked codes and the float32
+    dequantization of the reference (dequantize.cu writes the model dtype directly, less),
+    the keys and values in the model dtype twice (gathered, then sliced to T or, native,
+    concatenated with the chunk), rotated queries, and the scores [Hq, L, T] float32 the
+    SDPA may materialise. Unchanged by reading the chunk back: it always counted T."""
     padded = math.ceil(context_len / block_size) * block_size
     dims = k_head_dim + v_head_dim
     if layout.packed:
