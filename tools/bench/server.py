@@ -5,7 +5,9 @@ Usage:
   python -m tools.bench.server              # CPU-scaled model, 2K and 8K system prompts
   python -m tools.bench.server --quick      # 2K only, smaller model (about a minute)
   python -m tools.bench.server --size 8b    # Llama-3-8B geometry (for a GPU machine)
-  python -m tools.bench.server --json out.json
+  python -m tools.bench.server --json out.json --logs DIR   # DIR: the servers' logs
+  python -m tools.bench.server --warm-start  # a short request after each restart first
+  bash tools/bench/profile/issue21_h200.sh   # the H200 run (8b size, its two calls)
 
 Everything goes through the official openai client to servers started as subprocesses
 on 127.0.0.1, on one model directory built offline (tools/bench/model_dir.py: random
@@ -34,7 +36,9 @@ Sizes: "cpu" keeps an 8B's per-layer KV geometry (8 KV heads of 128) with 2 laye
 hidden 1024 (about 19M parameters): MLX's CPU matmul runs at a few GFLOP/s on this
 project's 2-core machines, so a real 8B's 8K prefill would take hours. Restored bytes and
 recompute work both scale with the layer count, so the ratio is that of a deeper model
-of the same width (up to the fixed per-request costs, which favour stock).
+of the same width (up to the fixed per-request costs, which favour stock). "8b" is
+written in bfloat16 (14 GB, built on the GPU in 17 s on the H200); "8b-rehearsal" is its
+CPU stand-in for rehearsing the GPU driver, not a figure.
 """
 
 from __future__ import annotations
