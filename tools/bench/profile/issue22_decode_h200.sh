@@ -9,7 +9,8 @@
 #      profile, $REPEATS rounds with the arms taking turns; ratios against KVCache of the same
 #      round. JSON to $OUT/engine_h200_llama8b_decode.json.
 #   2. KVSTORE_TEST_IMPLS=cuda pytest of $TEST_PATHS (default: the decode kernels' tests and
-#      tests/engine/test_cache.py), cut at $TEST_LIMIT seconds.
+#      tests/engine/test_cache.py; $TEST_K: pytest -k), cut at $TEST_LIMIT seconds.
+# $CONTEXTS, $REPEATS, $VARIANTS (arm names joined by ";"), $SIZE and the *_LIMITs narrow a run.
 set -u
 OUT=${OUT:-/tmp/issue22}
 mkdir -p "$OUT"
@@ -80,8 +81,9 @@ EOF
 echo "rc=$?" >> "$OUT/bench.err"
 cat "$OUT/bench.md"
 tail -3 "$OUT/bench.err"
-KVSTORE_TEST_IMPLS=cuda timeout "${TEST_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider -rs -x \
+# -v: a run cut by $TEST_LIMIT still says which tests passed; $TEST_K narrows it (pytest -k)
+KVSTORE_TEST_IMPLS=cuda timeout "${TEST_LIMIT:-150}" python3 -m pytest -v -p no:cacheprovider -rs \
   ${TEST_PATHS:-tests/kernels/test_native_mma.py tests/kernels/test_call.py tests/engine/test_cache.py tests/kernels/test_quantize.py tests/kernels/test_attention.py} \
-  > "$OUT/tests.txt" 2>&1
+  ${TEST_K:+-k "$TEST_K"} > "$OUT/tests.txt" 2>&1
 echo "rc=$?" >> "$OUT/tests.txt"
-tail -8 "$OUT/tests.txt"
+grep -c PASSED "$OUT/tests.txt"; grep -E "FAILED|ERROR|passed|failed" "$OUT/tests.txt" | tail -12
