@@ -3,9 +3,11 @@
 The caller captures (engine.publish.capture: a host copy of the pages, so the live
 cache may change at once) and submits; one worker thread uploads captures in order.
 The queue is capped in bytes of pinned captures. Over the cap, the oldest capture
-not in flight is dropped (the new one included, if it is the oldest left): a drop
-means a future cache miss, never a wrong result, because nothing of a dropped capture
-reaches the store. Upload failures are counted and logged, never raised into
+not in flight is dropped, down to the newest one: that one is always kept, so a single
+capture larger than the cap (a long prompt of a large model) is still published, and
+the pinned bytes stay within the cap or within the capture in flight plus the newest.
+A drop means a future cache miss, never a wrong result, because nothing of a dropped
+capture reaches the store. Upload failures are counted and logged, never raised into
 generation. drain() waits for the queue to empty (shutdown).
 """
 
@@ -56,18 +58,23 @@ class WriteBehindPublisher:
     # -- producer side -------------------------------------------------------------
     def submit(self, capture: Capture, *, checkpoint: str | None = None,
                metadata: dict | None = None, namespace: str | None = None) -> bool:
-        """Queue a capture; returns False when it was dropped at once (cap or closed)."""
+        """Queue a capture; returns False only when the publisher is closed (an older
+        capture may be dropped to make room under the cap)."""
         job = _Job(capture, namespace or self.namespace, checkpoint, metadata)
         with self._cond:
             if self._closed:
                 self._drop(job, "publisher is closed")
                 return False
             self._queue.append(job)
-            while self._pinned_nbytes() > self.capacity_nbytes and self._queue:
+            # the newest capture stays even alone over the cap: dropping it would leave
+            # every prompt whose KV exceeds the cap unpublishable, forever
+            while self._pinned_nbytes() > self.capacity_nbytes and len(self._queue) > 1:
                 self._drop(self._queue.popleft(), "queue over its byte cap")
-            accepted = bool(self._queue) and self._queue[-1] is job
+            if job.nbytes > self.capacity_nbytes:
+                log.info("write-behind holds a capture of %d bytes, over its %d-byte cap, "
+                         "alone", job.nbytes, self.capacity_nbytes)
             self._cond.notify_all()
-            return accepted
+            return True
 
     def _drop(self, job: _Job, why: str) -> None:
         self.dropped += 1

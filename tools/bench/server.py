@@ -75,8 +75,9 @@ BUILD = {"8b": dict(dtype="bfloat16", lazy=True),
          "8b-rehearsal": dict(dtype="bfloat16", lazy=True)}
 # serve-model settings a size needs beyond the defaults. An 8B's bf16 KV is 128 KiB per
 # token, so one 2K-token capture (about 259 MiB) is over the write-behind queue's default
-# cap (--publish-queue 256MiB) and is dropped whole: the first H200 run published nothing.
-# 2GiB holds an 8K capture (about 1 GiB); a 1 GiB drain gets a minute.
+# cap (--publish-queue 256MiB); the first H200 run predates the publisher keeping the
+# newest capture over the cap, and published nothing. 2GiB holds a backlog of 8K
+# captures (about 1 GiB each); a 1 GiB drain gets a minute.
 SERVE_ARGS = {"8b": ("--publish-queue", "2GiB", "--drain-timeout", "60s")}
 
 
