@@ -28,12 +28,12 @@ is allocated:
      per plane and layer of the stock mlx-lm caches (host views of MLX memory,
      engine/pagecopy.py), fused for a local store: every layer is laid out first (on
      stand-ins of the pages' lengths), then each reader copies the pages it has just
-     verified while they are in cache (_read_fused); on a CUDA GPU, in groups of
-     layers of about READ_GROUP_NBYTES, into a reused host staging buffer that the
-     GPU reads in place, one slice update per plane and layer, started layer by layer
-     so the GPU's copy of one layer overlaps the host's reading and copying of the
-     next (_read_grouped). A page that fails its check raises IntegrityError (the
-     store quarantined it) and the blocks laid out so far are given back.
+     verified while they are in cache (_read_fused); on a CUDA GPU, after one
+     verified read, into a reused host staging buffer that the GPU reads in place,
+     one slice update per plane and layer, started layer by layer so the GPU's copy
+     of one layer overlaps the host's copy of the next (_read_views). A page that
+     fails its check raises IntegrityError (the store quarantined it) and the blocks
+     laid out so far are given back.
      Nothing is evaluated afterwards but what is still lazy (a native layer quantized
      on restore): a paged layer's state is a gather of its whole history, which
      nobody reads.
@@ -86,7 +86,7 @@ from engine.pagecopy import (
     host_view,
     page_regions,
 )
-from engine.pageread import PendingRead, read_into, read_pages
+from engine.pageread import read_into, read_pages
 from engine.publish import DEFAULT_NAMESPACE
 from engine.stock import ConvertedQuantizedKVCache, TrackedKVCache
 from kvstore.errors import IncompatibleFormat, NotFound
@@ -216,33 +216,6 @@ def _pages(store: PageReader, digests: list):
     admission prices those as staging)."""
     with read_pages(store, digests) as views:
         yield views
-
-
-# Where restores do not read fused (a device backend: engine/pagecopy.py direct_writes),
-# a local store's pages are read in groups of layers of about this many bytes, pipelined:
-# the readers verify the next group while this one is copied into staging. H200, 1 GiB
-# (8B-shaped, 8K tokens), groups read one after another: 64 MiB 175 ms, one read 143 ms
-# (tools/bench/profile/restore_h200.py stages). A store that fetches (maps_pages False:
-# one request per get_pages) is read in one call.
-READ_GROUP_NBYTES = 128 * 2**20
-
-
-def _read_groups(store: PageReader, plan: "_Plan", n_blocks: int) -> list[list[int]]:
-    """Runs of indices into plan.identity.paged_layers, about READ_GROUP_NBYTES of pages
-    each (at least one layer; all of them for a fetching store or no pages to read)."""
-    paged = plan.identity.paged_layers
-    if not n_blocks or not store.maps_pages:
-        return [list(range(len(paged)))] if paged else []
-    size = plan.identity.block_size_tokens
-    groups, at = [[]], 0
-    for j, layer in enumerate(paged):
-        layer_nbytes = n_blocks * PageSpec.from_layer_spec(plan.identity.layers[layer], size).block_nbytes
-        if groups[-1] and at + layer_nbytes > READ_GROUP_NBYTES:
-            groups.append([])
-            at = 0
-        groups[-1].append(j)
-        at += layer_nbytes
-    return groups
 
 
 def _check_capacity(pools, n_blocks: int) -> None:
@@ -546,7 +519,7 @@ def _build(engine_model: EngineModel, store: PageReader, plan: _Plan,
     top = _fresh(engine_model, plan, grant)
     caches = leaf_caches(top)  # one per identity layer (CacheLists flattened)
     try:
-        read = _read_fused if _fused(store, plan) else _read_grouped
+        read = _read_fused if _fused(store, plan) else _read_views
         nbytes = read(engine_model, store, plan, fetched, caches, adopted, grant)
         if attachment_names:
             with _pages(store, [ckpt.attachments[name] for name in attachment_names]) as views:
@@ -597,41 +570,28 @@ def _read_fused(engine_model: EngineModel, store: PageReader, plan: _Plan, fetch
     return sum(lengths)
 
 
-def _read_grouped(engine_model: EngineModel, store: PageReader, plan: _Plan, fetched: list,
-                  caches: list, adopted: dict, grant: Grant | None) -> int:
-    """The paged layers' pages read in groups (_read_groups: verified views, on several
-    reader threads for a store that maps its pages), pipelined: while one group's layers
-    are laid out and their pages copied (into staging, on a device backend), the readers
-    already verify the next group's. Returns the bytes read."""
+def _read_views(engine_model: EngineModel, store: PageReader, plan: _Plan, fetched: list,
+                caches: list, adopted: dict, grant: Grant | None) -> int:
+    """Every paged layer's pages in one read (verified views, on several reader threads
+    for a store that maps its pages, engine/pageread.py), then each layer laid out and
+    its pages copied while the views are valid: into the pools or the caches' arrays, or
+    on a device backend into staging, with the device's copies of one layer started
+    before the host copies the next. (H200, 1 GiB: reading in groups of layers, the
+    next group verified while one is copied, took 159-176 ms against 138 ms for one
+    read; tools/bench/profile/restore_h200.py stages.) Returns the bytes read."""
     paged, n = plan.identity.paged_layers, len(fetched)
-    groups = _read_groups(store, plan, n)  # runs of indices into paged
-
-    def start(group: list[int]) -> PendingRead:
-        # layer-major: pages of block i, layer paged[group[g]] at views[g * n + i]
-        return PendingRead(store, [fetched[i].pages[j] for j in group for i in range(n)])
-
-    copies, nbytes = PageCopies(), 0
-    pending = [start(groups[0])] if groups else []
-    try:
-        for k, group in enumerate(groups):
-            views = pending[k].views()
-            if k + 1 < len(groups):
-                pending.append(start(groups[k + 1]))  # verified while this group is copied
-            nbytes += sum(len(v) for v in views)
-            try:
-                for g, j in enumerate(group):
-                    caches[paged[j]] = _layer_cache(engine_model, plan, paged[j],
-                                                    views[g * n : (g + 1) * n],
-                                                    _Targets(adopted, grant, copies))
-                    copies.start()  # this layer's copies overlap the next one's layout
-                copies.run()  # every page once, into the pools, the caches' arrays or staging
-            finally:
-                copies.wait()  # no copy still reads a view once it is closed
-            pending[k].close()
-    finally:
-        for read in pending:
-            read.close()
-    return nbytes
+    copies = PageCopies()
+    # layer-major: pages of block i, layer paged[j] at views[j * n + i]
+    with _pages(store, [block.pages[j] for j in range(len(paged)) for block in fetched]) as views:
+        try:
+            for j, layer in enumerate(paged):
+                caches[layer] = _layer_cache(engine_model, plan, layer, views[j * n : (j + 1) * n],
+                                             _Targets(adopted, grant, copies))
+                copies.start()  # this layer's copies overlap the next one's layout
+            copies.run()  # every page once, into the pools, the caches' arrays or staging
+        finally:
+            copies.wait()  # no copy still reads a view once the with-block ends
+        return sum(len(v) for v in views)
 
 
 def _plain_nested(top: list, leaves: list) -> list:

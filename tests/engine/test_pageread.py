@@ -86,17 +86,15 @@ def test_a_page_of_the_wrong_length_is_refused_before_it_is_copied():
     assert target.tobytes() == bytes(range(32))
 
 
-@pytest.mark.parametrize("path", ["fused", "grouped"])
+@pytest.mark.parametrize("path", ["fused", "views"])
 def test_a_restore_that_meets_a_damaged_page_gives_its_blocks_back(tmp_path, monkeypatch, path):
-    """Fused (the CPU's path) and in pipelined groups of one layer (the device path's,
-    run on the CPU): the damaged page is in the last group, read while the one before
-    it is copied."""
+    """Fused (the CPU's path) and through one read of views (the device path's, run on
+    the CPU)."""
     import sys
 
-    if path == "grouped":
+    if path == "views":
         restore_module = sys.modules["engine.restore"]  # engine.restore names the function
         monkeypatch.setattr(restore_module, "_fused", lambda store, plan: False)
-        monkeypatch.setattr(restore_module, "READ_GROUP_NBYTES", 1)
     model = tiny_model("llama", mx.bfloat16)
     policy = KVPolicy(block_size_tokens=16)
     tokens = prompt_tokens(64, seed=5).tolist()
@@ -120,9 +118,9 @@ def test_a_restore_that_meets_a_damaged_page_gives_its_blocks_back(tmp_path, mon
         assert [pool.num_free_blocks for pool in engine_model.pools if pool is not None] == free
 
 
-def test_grouped_and_fused_restores_give_the_same_bytes(tmp_path, monkeypatch):
-    """The device path's reading in groups of layers (here one layer a group), run on the
-    CPU, against the fused read: the same pages, byte for byte (tolerance 0)."""
+def test_view_and_fused_restores_give_the_same_bytes(tmp_path, monkeypatch):
+    """The device path's read (one read of views, then the copies), run on the CPU,
+    against the fused read: the same pages, byte for byte (tolerance 0)."""
     import sys
 
     from engine.publish import capture
@@ -139,11 +137,10 @@ def test_grouped_and_fused_restores_give_the_same_bytes(tmp_path, monkeypatch):
         publish(engine_model, store, tokens, cache)
         fused = restore(engine_model, store, RestoreRequest(tokens + [0]))
         monkeypatch.setattr(restore_module, "_fused", lambda store, plan: False)
-        monkeypatch.setattr(restore_module, "READ_GROUP_NBYTES", 1)
-        grouped = restore(engine_model, store, RestoreRequest(tokens + [0]))
-    assert fused.tokens_restored == grouped.tokens_restored == len(tokens)
+        views = restore(engine_model, store, RestoreRequest(tokens + [0]))
+    assert fused.tokens_restored == views.tokens_restored == len(tokens)
     a = capture(engine_model.identity, tokens, fused.cache)
-    b = capture(engine_model.identity, tokens, grouped.cache)
+    b = capture(engine_model.identity, tokens, views.cache)
     want = capture(engine_model.identity, tokens, cache)
     for x, y, z in zip(a.layers, b.layers, want.layers, strict=True):
         assert [bytes(x.page(i)) for i in range(4)] == [bytes(y.page(i)) for i in range(4)] \

@@ -6,7 +6,8 @@
 # /root/site first if it is missing (.whl/b carried, part one already in /root/p:
 # /work/shared/gpu/README.md). python-xxhash: the image's (4.0.1, releases the GIL while
 # hashing); where .whl/c is carried, the wheel in it goes to /root/xx and is used instead.
-# Time limits per step (seconds): T8, T1, TP; SECTIONS: the probe's sections.
+# Time limits per step (seconds): T8, T1, TP; FORMATS: the ttft formats; SECTIONS: the
+# probe's sections.
 set -u
 export PYTHONUNBUFFERED=1
 if [ ! -d /root/site/mlx ]; then bash .whl/b/install-on-device.sh || exit 3; fi
@@ -15,10 +16,10 @@ if [ -d .whl/c ] && [ ! -d /root/xx/xxhash ]; then
 fi
 export PYTHONPATH=/root/xx:/root/site:$PWD
 python3 -c "import xxhash, numpy, os, mlx.core as mx; print('xxhash', xxhash.VERSION, 'numpy', numpy.__version__, os.cpu_count(), 'CPUs', 'mlx', mx.__version__)"
-timeout ${T8:-150} python3 -m tools.bench.ttft --size 8b --prompts 8192 --formats native k4v4 --repeats 3 \
+timeout ${T8:-150} python3 -m tools.bench.ttft --size 8b --prompts 8192 --formats ${FORMATS:-native k4v4} --repeats 3 \
   --json "$OUT/ttft_8b.json" > "$OUT/ttft_8b.log" 2>&1; echo "ttft 8b rc=$?"
 tail -n 4 "$OUT/ttft_8b.log"
-timeout ${T1:-80} python3 -m tools.bench.ttft --size 1b --prompts 8192 --formats native k4v4 --repeats 3 \
+timeout ${T1:-80} python3 -m tools.bench.ttft --size 1b --prompts 8192 --formats ${FORMATS:-native k4v4} --repeats 3 \
   --json "$OUT/ttft_1b.json" > "$OUT/ttft_1b.log" 2>&1; echo "ttft 1b rc=$?"
 tail -n 4 "$OUT/ttft_1b.log"
 timeout ${TP:-60} python3 tools/bench/profile/restore_h200.py --sections ${SECTIONS:-stages hashing} \

@@ -15,9 +15,9 @@
   restore     engine.restore of the 512 MiB 8B-shaped prefix (tools/bench/store.py)
               into pools, with 1 and READ_WORKERS page readers, and a cProfile of one
   stages      the same restore at 8192 tokens (1 GiB, the ttft bench's 8B case) split by
-              stage (verified reads, host copies, write_pages, device tail), with one read
-              group and one reader, and the pieces alone: reads, copies on 8 / 16 threads,
-              the fused read_pages_into, the device copies (stages() says which)
+              stage (verified reads, host copies, write_pages, device tail), with 16 copy
+              threads and one reader, and the pieces alone: reads, copies on 8 / 16
+              threads, the fused read_pages_into, the device copies (stages() says which)
 
 From the repository root: PYTHONPATH=$PWD python3 tools/bench/profile/restore_h200.py [--json F]
 """
@@ -209,8 +209,10 @@ def stages(quick: bool = False) -> dict:
     verified reads (get_pages on the reader threads, engine/pageread.py), host copies =
     pages into the pools' staging (PageCopies.run), write_pages = those copies plus the
     slice-update graph and its launch, device tail = mx.synchronize after restore
-    returns; at the default read group size, at 64 and 256 MiB, in one read, with 16
-    copy threads (8 by default), and with one reader. Then the pieces alone: get_pages on one thread, read_pages on 16, copies of
+    returns; as committed, with 16 copy threads (8 by default), and with one reader.
+    (On 2026-12-02 it also ran reads in groups of layers, the next group verified while
+    one was copied: 64 / 128 / 256 MiB groups 172 / 176 / 159 ms against 138 ms for one
+    read; that code is gone, its figures are in docs/benchmarks.md.) Then the pieces alone: get_pages on one thread, read_pages on 16, copies of
     verified views into one DeviceStaging on 8 / 16 threads, the fused read_pages_into
     into it (verify + copy per page), and the device copies from it into the planes."""
     import engine.pool as pool_mod
@@ -259,13 +261,6 @@ def stages(quick: bool = False) -> dict:
             out[label] = {k + "_ms": round(statistics.median(r.get(k, 0.0) for r in rows) * 1e3, 2) for k in keys}
 
         run_variant("default")
-        out["default"]["read_group_MiB"] = restore_mod.READ_GROUP_NBYTES / 2**20
-        group = restore_mod.READ_GROUP_NBYTES
-        for label, nbytes in (("read groups of 64 MiB", 64 << 20), ("read groups of 256 MiB", 256 << 20),
-                              ("one read group", 1 << 40)):
-            restore_mod.READ_GROUP_NBYTES = nbytes
-            run_variant(label)
-        restore_mod.READ_GROUP_NBYTES = group
         copy_workers = pagecopy.DEFAULT_WORKERS
         pagecopy.DEFAULT_WORKERS = min(16, os.cpu_count() or 1)
         pagecopy._copy_pool.cache_clear()  # a pool of that many copy threads from here on
