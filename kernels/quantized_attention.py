@@ -17,6 +17,16 @@ call at 1024 tokens, 8 KV heads, D 128: 3.8 ms for k4v4 against 7.3 ms partition
 4.8 ms for bf16 SDPA over a KVCache). Served: packed layouts whose group size mlx
 quantizes in (32, 64, 128); select_impl sends the rest to "partitioned". Workspace: one
 partition's gathered pages plus scores, under the partitioned path's price.
+
+Prefill chunks (DEQUANTIZE_QUERIES or more queries): each partition is dequantized into
+float32 (paging.gather_pages) and met by plain float32 matmuls instead. On this CPU that
+is bit for bit what quantized_matmul computes from the same codes (MLX's CPU kernel
+dequantizes and multiplies the same way; test_prefill_partitions_equal_quantized_matmul,
+tolerance 0), so a chunk's result does not depend on which of the two ran, and prefill
+stays chunk-invariant; for hundreds of query rows the float32 matmuls are the faster way
+(one 16-head layer, a 512-token chunk at 1024 tokens, load 4.9, within rounds against
+KVCache's bf16 SDPA: k4v4 1.20x against 1.46x for quantized_matmul, k8v4 1.22x against
+1.23x). Decode steps keep quantized_matmul (no dequantized copy).
 """
 
 from __future__ import annotations
@@ -32,11 +42,15 @@ from kernels.paging import (
     check_shape,
     clean_block_ids,
     first_visible_key,
+    gather_pages,
     prepare_queries,
     visibility_mask,
 )
 
 GROUP_SIZES = (32, 64, 128)  # what mx.quantized_matmul takes
+# From this many queries (a prefill chunk) each partition is dequantized into float32 and met
+# by plain float32 matmuls (module docstring)
+DEQUANTIZE_QUERIES = 16
 
 
 def serves(layout: PageLayout) -> bool:
@@ -68,6 +82,7 @@ def quantized_attention(call: PagedAttentionCall, partition_tokens: int = 1024) 
     grouped = (prepare_queries(call.queries, layout) * call.scale).reshape(
         batch, shape.n_kv_heads, rows, shape.k_head_dim)
     merge = OnlineSoftmax(shape, call.sinks)
+    dequantize = shape.num_queries >= DEQUANTIZE_QUERIES
 
     first_key = first_visible_key(context_lens, shape.num_queries, window)
     start = first_key // partition_tokens * partition_tokens
@@ -77,12 +92,16 @@ def quantized_attention(call: PagedAttentionCall, partition_tokens: int = 1024) 
         block_ids = clean_block_ids(call.block_tables, context_lens, block_size, first_block,
                                     first_block + math.ceil(count / block_size))
         width = block_ids.shape[1] * block_size
+        visible = visibility_mask(context_lens, shape.num_queries, token0, width, causal=causal,
+                                  window=window)
+        if dequantize:  # [B, Hkv, width, D] float32 each, the codes' exact values
+            keys, values = gather_pages(planes, layout, block_ids)
+            merge.add(merge.weights(grouped @ keys.swapaxes(-1, -2), visible) @ values)
+            continue
         k_codes = _tokens(planes["k_codes"], block_ids).view(mx.uint32)
         scores = mx.quantized_matmul(grouped, k_codes, _tokens(planes["k_scales"], block_ids),
                                      _tokens(planes["k_offsets"], block_ids), transpose=True,
                                      group_size=group, bits=layout.k_bits)  # [B, Hkv, rows, width]
-        visible = visibility_mask(context_lens, shape.num_queries, token0, width, causal=causal,
-                                  window=window)
         weights = merge.weights(scores, visible)
         v_codes = _tokens(planes["v_codes"], block_ids).view(mx.uint32)
         merge.add(mx.quantized_matmul(weights, v_codes, _tokens(planes["v_scales"], block_ids),
@@ -104,7 +123,8 @@ def workspace_nbytes(n_q_heads: int, n_kv_heads: int, num_queries: int, k_head_d
     arrays (peak 1.3 MB at 2K and 2.5 MB at 16K for one k4v4 decode query row block), so
     the price is two partitions in full plus three score-sized arrays per further
     partition; on a GPU every partition in full (as kernels/attention.py prices
-    "partitioned" there)."""
+    "partitioned" there). From DEQUANTIZE_QUERIES queries a partition also holds its
+    unpacked codes and its float32 keys and values (gather_pages: grouped, then laid out)."""
     window = min(context_len, max(1, math.ceil(partition_tokens / block_size)) * block_size)
     padded = math.ceil(window / block_size) * block_size
     partitions = math.ceil(context_len / window)
@@ -114,6 +134,8 @@ def workspace_nbytes(n_q_heads: int, n_kv_heads: int, num_queries: int, k_head_d
     scores = rows * padded * 4
     whole = (2 * padded * n_kv_heads * stored + 4 * scores + num_queries * padded
              + 2 * rows * (v_head_dim + 2) * 4)
+    if num_queries >= DEQUANTIZE_QUERIES:  # the partition's unpacked codes and float32 K/V, twice
+        whole += padded * n_kv_heads * (k_head_dim + v_head_dim) * (1 + 2 * 4)
     if gpu:
         alive = partitions * whole
     else:

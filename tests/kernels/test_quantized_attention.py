@@ -11,7 +11,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from kernels import quantized_attention as quantized_attention_module
 from kernels.attention import select_impl, workspace_nbytes
+from kernels.call import PagedAttentionCall
 from kernels.layout import PageLayout
 from kernels.quantized_attention import quantized_attention, serves
 from tests.kernels.pages import LAYOUTS, make_case
@@ -47,6 +49,23 @@ def test_agrees_with_partitioned_in_float32():
     a = paged_attention(*args, scale=0.088, impl="quantized")
     b = paged_attention(*args, scale=0.088, impl="partitioned")
     assert max_error(a, b) <= 2e-5
+
+
+@pytest.mark.parametrize("name,queries", [("k4v4-rot", 16), ("k8v4", 64), ("k4v4", 200), ("k8v8-rot", 33)])
+def test_prefill_partitions_equal_quantized_matmul(monkeypatch, name, queries):
+    """Prefill chunks (DEQUANTIZE_QUERIES or more queries) meet float32 K/V dequantized per
+    partition with float32 matmuls; decode steps and small chunks run quantized_matmul over
+    the codes. On this CPU the two are bit-identical (tolerance 0, float32 outputs), which
+    keeps a prefill's result independent of its chunk sizes (tests/engine/test_packed.py::
+    test_prefill_is_chunk_invariant)."""
+    case = make_case(name, head_dim=128, n_kv_heads=2, gqa=4, block_size=16,
+                     context_lens=[700], num_queries=queries, seed=queries)
+    call = PagedAttentionCall(case.queries.astype(mx.float32), case.planes, case.block_tables,
+                              case.context_lens, case.layout, scale=0.088, mask="causal")
+    dequantized = quantized_attention(call, partition_tokens=256)
+    monkeypatch.setattr(quantized_attention_module, "DEQUANTIZE_QUERIES", queries + 1)
+    codes = quantized_attention(call, partition_tokens=256)
+    assert mx.array_equal(dequantized, codes).item()
 
 
 def test_sinks_change_the_result_and_match_the_reference():
