@@ -562,12 +562,79 @@ def _read_fused(engine_model: EngineModel, store: PageReader, plan: _Plan, fetch
     specs = [PageSpec.from_layer_spec(plan.identity.layers[layer], size) for layer in paged]
     lengths = [spec.page_nbytes(len(block.tokens)) for spec in specs for block in fetched]
     stand_ins = targets.copies.stand_ins(lengths)  # layer-major: layer j, block i at j * n + i
+    page_nbytes = max((s.block_nbytes for s in specs), default=1)
+    if plan.cache_kind != "paged":  # fresh arrays per layer: laid out while the last one is read
+        with _LayerReads(store, page_nbytes, targets.copies.copy) as reads:
+            for j, layer in enumerate(paged):
+                caches[layer] = _layer_cache(engine_model, plan, layer, stand_ins[j * n : (j + 1) * n],
+                                             targets)
+                reads.add([block.pages[j] for block in fetched], j * n)
+        targets.copies.run()  # nothing but stand-ins was added: a no-op
+        return sum(lengths)
     for j, layer in enumerate(paged):
         caches[layer] = _layer_cache(engine_model, plan, layer, stand_ins[j * n : (j + 1) * n], targets)
     digests = [block.pages[j] for j in range(len(paged)) for block in fetched]
-    read_into(store, digests, targets.copies.copy, max((s.block_nbytes for s in specs), default=1))
+    read_into(store, digests, targets.copies.copy, page_nbytes)
     targets.copies.run()  # nothing but stand-ins was added: a no-op
     return sum(lengths)
+
+
+class _LayerReads:
+    """The fused read of a restore into fresh per-layer arrays (KVCache, QuantizedKVCache),
+    one layer at a time on a thread of its own, so that each layer's pages are verified
+    and copied (read_into, on the reader threads) while the caller lays out the next
+    layer. Laying out a layer allocates and zero-fills its arrays, and on this VM the
+    first touch of fresh memory is the largest cost of such a restore (about 131k page
+    faults per 512 MiB, 3-4 us each; docs/benchmarks.md): it overlaps the reads instead
+    of preceding all of them.
+
+    add(digests, first) hands over one layer's pages, numbered from `first` in the
+    sink's numbering; the with-block ends once every read ran, and raises the first
+    error (IntegrityError, NotFound, FormatMismatch from the sink). After an error, the
+    layers not yet read are skipped; nothing writes the arrays once the block is left."""
+
+    def __init__(self, store: PageReader, page_nbytes: int, sink):
+        self.store, self.page_nbytes, self.sink = store, page_nbytes, sink
+        self.error: BaseException | None = None
+        self._queue: list = []
+        self._ready = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kv-layer-reads", daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def add(self, digests: list, first: int) -> None:
+        with self._ready:
+            self._queue.append((digests, first))
+            self._ready.notify()
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue and not self._closed:
+                    self._ready.wait()
+                if not self._queue:
+                    return
+                digests, first = self._queue.pop(0)
+            if self.error is not None:
+                continue  # drain: nothing more is read after an error
+            try:
+                read_into(self.store, digests, lambda i, page, at=first: self.sink(at + i, page),
+                          self.page_nbytes)
+            except BaseException as exc:  # raised on the caller's thread
+                self.error = exc
+
+    def __exit__(self, *exc_info) -> None:
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+        self._thread.join()
+        if self.error is not None and exc_info[0] is None:
+            raise self.error
 
 
 def _read_views(engine_model: EngineModel, store: PageReader, plan: _Plan, fetched: list,

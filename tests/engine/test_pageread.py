@@ -170,3 +170,56 @@ def test_a_pending_read_verifies_on_its_readers_and_raises_at_views(tmp_path):
                 read.views()
         finally:
             read.close()
+
+
+def _published_kv(tmp_path, seed: int, n_tokens: int):
+    model = tiny_model("llama", mx.bfloat16)
+    policy = KVPolicy(block_size_tokens=16)
+    tokens = prompt_tokens(n_tokens, seed=seed).tolist()
+    engine_model = EngineModel(model, "test/tiny", policy=policy)
+    cache = make_cache(model, policy)
+    with installed(model):
+        mx.eval(model(mx.array([tokens]), cache=cache))
+    with Store(tmp_path / "store") as store:
+        publish(engine_model, store, tokens, cache)
+    return engine_model, tokens, cache
+
+
+def test_a_kvcache_restore_reads_each_layer_while_the_next_is_laid_out(tmp_path, monkeypatch):
+    """The KVCache layout's fused read (engine/restore.py _LayerReads: layer j read while
+    layer j + 1 is allocated) against the device path's one read of views, run on the
+    CPU, and the published caches: the same K and V, bit for bit (tolerance 0)."""
+    import sys
+
+    restore_module = sys.modules["engine.restore"]  # engine.restore names the function
+    engine_model, tokens, cache = _published_kv(tmp_path, seed=7, n_tokens=72)  # last block 8
+    request = RestoreRequest(tokens + [0], cache_kind="kvcache")
+    with Store(tmp_path / "store") as store:
+        fused = restore(engine_model, store, request)
+        monkeypatch.setattr(restore_module, "_fused", lambda store, plan: False)
+        views = restore(engine_model, store, request)
+    assert fused.tokens_restored == views.tokens_restored == len(tokens)
+    for a, b, want in zip(fused.cache, views.cache, cache, strict=True):
+        keys, values = want.state
+        for x, y, z in ((a.keys, b.keys, keys), (a.values, b.values, values)):
+            x, y = x[..., : len(tokens), :], y[..., : len(tokens), :]
+            assert np.array(x.view(mx.uint16)).tobytes() == np.array(y.view(mx.uint16)).tobytes() \
+                == np.array(z.view(mx.uint16)).tobytes()
+
+
+def test_a_kvcache_restore_that_meets_a_damaged_page_raises_once_every_read_stopped(tmp_path):
+    """A damaged page in a middle layer: IntegrityError on the caller's thread, and the
+    layer-read thread has ended (nothing writes the arrays after restore returns)."""
+    import threading
+
+    engine_model, tokens, cache = _published_kv(tmp_path, seed=8, n_tokens=64)
+    with Store(tmp_path / "store") as store:
+        match = store.lookup_prefix(engine_model.identity.format_id, "default", tokens)
+        value = stored_value(store, match.blocks[1].pages[len(match.blocks[1].pages) // 2])
+    for c in cache:
+        c.free()
+    flip_bit(tmp_path / "store", value, HEADER_NBYTES * 8 + 77)
+    with Store(tmp_path / "store") as store:
+        with pytest.raises(IntegrityError):
+            restore(engine_model, store, RestoreRequest(tokens + [0], cache_kind="kvcache"))
+    assert not [t for t in threading.enumerate() if t.name == "kv-layer-reads"]
