@@ -392,16 +392,35 @@ def gather_pages(spec, hosts: dict[str, np.ndarray], block_ids: list[int], num_t
     host ([num_blocks, H, block_size, row bytes], host_readable of the pool's planes).
     Returns read-only views of one buffer allocated here, the last page possibly
     shorter (capture and pages_from_blocks). With `copies`, the copies are only added
-    to it: the pages hold their bytes once the caller ran it."""
+    to it: the pages hold their bytes once the caller ran it.
+
+    A run of consecutive block ids (a pool hands a sequence's blocks out in order, as
+    a rule) is copied as one strided copy per plane, [run, plane bytes] out of the
+    arena's contiguous blocks into every page's plane, instead of one copy per page and
+    plane: fewer, larger copies and less Python per page (the copies themselves still
+    run at cached-store speed: docs/benchmarks.md, publish capture)."""
     size = spec.block_size_tokens
     rows = CAPTURE_BUFFERS.take(len(block_ids) * spec.block_nbytes).reshape(len(block_ids), -1)
     run = PageCopies() if copies is None else copies
-    pages = []
-    for index, block in enumerate(block_ids):
-        count = min(size, num_tokens - index * size)
-        targets = page_targets(rows[index], page_regions(spec, count))
-        run.add_pairs((targets[n], h[block, :, :count]) for n, h in hosts.items())
-        pages.append(memoryview(rows[index, : spec.page_nbytes(count)]).toreadonly())
+    full = len(block_ids) if num_tokens >= len(block_ids) * size else len(block_ids) - 1
+    regions = page_regions(spec, size)
+    at = 0
+    while at < full:  # runs of consecutive blocks, full ones
+        end = at + 1
+        while end < full and block_ids[end] == block_ids[end - 1] + 1:
+            end += 1
+        first = block_ids[at]
+        run.add_pairs((rows[at:end, r.start : r.start + r.nbytes],
+                       hosts[r.name][first : first + end - at].reshape(end - at, r.nbytes))
+                      for r in regions)
+        at = end
+    page_nbytes = spec.page_nbytes(size)
+    pages = [memoryview(rows[index, :page_nbytes]).toreadonly() for index in range(full)]
+    if full < len(block_ids):  # a short last block
+        count = num_tokens - full * size
+        targets = page_targets(rows[full], page_regions(spec, count))
+        run.add_pairs((targets[n], h[block_ids[full], :, :count]) for n, h in hosts.items())
+        pages.append(memoryview(rows[full, : spec.page_nbytes(count)]).toreadonly())
     if copies is None:
         run.run()
     return pages

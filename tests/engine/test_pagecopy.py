@@ -272,3 +272,20 @@ def test_started_copies_are_done_when_run_returns_and_their_errors_raise_there(m
     copies.start(workers=2)
     with pytest.raises(ValueError):
         copies.run(workers=2)
+
+
+@pytest.mark.parametrize("fmt", ["native-bf16", "k4v4"])
+@pytest.mark.parametrize("free", [(1, 2, 3, 7, 8, 12), (4, 5, 6, 7, 8, 9), (0, 2, 3, 5, 6, 9)])
+def test_capture_copies_runs_of_consecutive_blocks_as_one_copy_per_plane(free, fmt):
+    """pages_from_blocks on the host-view path: blocks in runs (copied as one strided copy
+    per plane and run) and apart, the short last block consecutive or not: every page
+    byte for byte (tolerance 0)."""
+    spec = spec_of(fmt)
+    pool = BlockPool(spec, 16)
+    taken = pool.allocate(16)
+    pool.decref([taken[i] for i in free])
+    pages = random_pages(spec, 5 * spec.block_size_tokens + 3, seed=4)
+    cache = PagedKVCache.from_pages(pool, pages)
+    assert list(cache.block_ids) == list(free)
+    got = pages_from_blocks(spec, pool.planes, list(cache.block_ids), cache.offset)
+    assert [bytes(p) for p in got] == pages
