@@ -28,7 +28,8 @@ is allocated:
      per plane and layer of the stock mlx-lm caches (host views of MLX memory,
      engine/pagecopy.py), fused for a local store: every layer is laid out first (on
      stand-ins of the pages' lengths), then each reader copies the pages it has just
-     verified while they are in cache (_read_fused); on a CUDA GPU, after one
+     verified while they are in cache (_read_fused; into fresh per-layer arrays, each
+     layer is read while the next is laid out: _LayerReads); on a CUDA GPU, after one
      verified read, into a reused host staging buffer that the GPU reads in place,
      one slice update per plane and layer, started layer by layer so the GPU's copy
      of one layer overlaps the host's copy of the next (_read_views). A page that
@@ -553,10 +554,12 @@ def _fused(store: PageReader, plan: _Plan) -> bool:
 
 def _read_fused(engine_model: EngineModel, store: PageReader, plan: _Plan, fetched: list,
                 caches: list, adopted: dict, grant: Grant | None) -> int:
-    """Every paged layer's cache laid out first, on stand-ins for its pages (each page's
-    length from its block's tokens), then each page copied into its targets by the
-    reader that verified it, while it is in cache (engine/pageread.py read_into), on
-    several threads at once: one pass over the bytes. Returns the bytes read."""
+    """Every paged layer's cache laid out on stand-ins for its pages (each page's length
+    from its block's tokens), and each page copied into its targets by the reader that
+    verified it, while it is in cache (engine/pageread.py read_into), on several threads
+    at once: one pass over the bytes. Pools are laid out first, then read; fresh
+    per-layer arrays (KVCache, QuantizedKVCache) are read layer by layer while the next
+    layer is allocated (_LayerReads). Returns the bytes read."""
     targets = _Targets(adopted, grant, DeferredCopies())
     paged, n, size = plan.identity.paged_layers, len(fetched), plan.identity.block_size_tokens
     specs = [PageSpec.from_layer_spec(plan.identity.layers[layer], size) for layer in paged]
