@@ -69,7 +69,10 @@ def run_worker(module: str, spec: dict) -> dict:
     """Run `python -m module <spec as JSON>` in a fresh process from the repository root;
     its last stdout line is the JSON result. A failing worker fails the test with its
     stderr."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # the repository first, then whatever the parent had (on the H200, MLX lives in
+    # /root/site, which a bare PYTHONPATH=ROOT hid from the worker)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     proc = subprocess.run([sys.executable, "-m", module, json.dumps(spec)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

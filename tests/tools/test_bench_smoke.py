@@ -122,6 +122,7 @@ def test_store_json_prints_one_object_with_every_ratio(capsys):
     doc = json.loads(capsys.readouterr().out)
     names = {"restore_pages_vs_load_prompt_cache", "restore_pools_vs_load_prompt_cache",
              "restore_kvcache_vs_load_prompt_cache", "restore_pages_vs_limit",
+             "restore_pools_vs_limit",
              "save_vs_save_prompt_cache", "resave_vs_save", "capture_vs_memcpy"}
     assert set(doc["ratios"]) == names
     medians = {name: case["median_s"] for name, case in doc["cases"].items()}
