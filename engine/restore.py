@@ -520,8 +520,10 @@ def _build(engine_model: EngineModel, store: PageReader, plan: _Plan,
     top = _fresh(engine_model, plan, grant)
     caches = leaf_caches(top)  # one per identity layer (CacheLists flattened)
     try:
-        read = _read_fused if _fused(store, plan) else _read_views
-        nbytes = read(engine_model, store, plan, fetched, caches, adopted, grant)
+        fused = _fused(store, plan)
+        read = _read_fused if fused else _read_views
+        targets = _Targets(adopted, grant, DeferredCopies() if fused else PageCopies())
+        nbytes = read(engine_model, store, plan, fetched, caches, targets)
         if attachment_names:
             with _pages(store, [ckpt.attachments[name] for name in attachment_names]) as views:
                 nbytes += sum(len(v) for v in views)
@@ -553,14 +555,13 @@ def _fused(store: PageReader, plan: _Plan) -> bool:
 
 
 def _read_fused(engine_model: EngineModel, store: PageReader, plan: _Plan, fetched: list,
-                caches: list, adopted: dict, grant: Grant | None) -> int:
+                caches: list, targets: _Targets) -> int:
     """Every paged layer's cache laid out on stand-ins for its pages (each page's length
     from its block's tokens), and each page copied into its targets by the reader that
     verified it, while it is in cache (engine/pageread.py read_into), on several threads
     at once: one pass over the bytes. Pools are laid out first, then read; fresh
     per-layer arrays (KVCache, QuantizedKVCache) are read layer by layer while the next
     layer is allocated (_LayerReads). Returns the bytes read."""
-    targets = _Targets(adopted, grant, DeferredCopies())
     paged, n, size = plan.identity.paged_layers, len(fetched), plan.identity.block_size_tokens
     specs = [PageSpec.from_layer_spec(plan.identity.layers[layer], size) for layer in paged]
     lengths = [spec.page_nbytes(len(block.tokens)) for spec in specs for block in fetched]
@@ -641,7 +642,7 @@ class _LayerReads:
 
 
 def _read_views(engine_model: EngineModel, store: PageReader, plan: _Plan, fetched: list,
-                caches: list, adopted: dict, grant: Grant | None) -> int:
+                caches: list, targets: _Targets) -> int:
     """Every paged layer's pages in one read (verified views, on several reader threads
     for a store that maps its pages, engine/pageread.py), then each layer laid out and
     its pages copied while the views are valid: into the pools or the caches' arrays, or
@@ -650,13 +651,13 @@ def _read_views(engine_model: EngineModel, store: PageReader, plan: _Plan, fetch
     next group verified while one is copied, took 159-176 ms against 138 ms for one
     read; tools/bench/profile/restore_h200.py stages.) Returns the bytes read."""
     paged, n = plan.identity.paged_layers, len(fetched)
-    copies = PageCopies()
+    copies = targets.copies
     # layer-major: pages of block i, layer paged[j] at views[j * n + i]
     with _pages(store, [block.pages[j] for j in range(len(paged)) for block in fetched]) as views:
         try:
             for j, layer in enumerate(paged):
                 caches[layer] = _layer_cache(engine_model, plan, layer, views[j * n : (j + 1) * n],
-                                             _Targets(adopted, grant, copies))
+                                             targets)
                 copies.start()  # this layer's copies overlap the next one's layout
             copies.run()  # every page once, into the pools, the caches' arrays or staging
         finally:
