@@ -94,5 +94,7 @@ bench server_${SIZE}_warm "$TW" --contexts "$WARM_CONTEXTS" --rounds 0 --warm-st
 grep -h -i -E "write-behind|dropped|publish|restor|tier|error|Traceback" "$OUT"/logs_*/*.log \
   2>/dev/null | grep -v "GET /health" | sort | uniq -c | sort -rn | head -n 20
 ls -la "$MODEL" > "$OUT/model_dir.txt" 2>&1
+# one file: the device returns only a few files from $OUT, and the logs are what explains a crash
+(cd "$OUT" && tar czf logs.tgz logs_* 2>/dev/null && rm -rf logs_*)
 rm -rf "$MODEL"
 say "done"
