@@ -2,8 +2,9 @@
 # Issue 21's H200 throughput rerun alone (no TTFT part): tools.bench.server's 4-client
 # uncached throughput, 8 ABBA rounds, once with `--publish-segments ""` (publish nothing)
 # and once with the defaults; each run's server logs come back as $OUT/logs-<tag>.tgz.
-# Needs issue21_h200.sh's installs first (/root/kt, /root/clean from its call 1; MLX from
-# .whl/b, installed here when /root/site lacks it), then: carry [".whl/b"] and run
+# Needs the first two of the three calls in docs/server.md, "H200", "Third try" (the tree
+# in /root/clean, .whl/kt and .whl/kv in /root/kt; MLX from .whl/b is installed here when
+# /root/site lacks it), then: carry [".whl/b"] and run
 #   bash tools/bench/profile/issue21_tput_h200.sh
 # About 100 s with the 8B model build (2026-12-02: 0.91x with nothing published, 0.51x
 # with the defaults; docs/server.md "H200").
