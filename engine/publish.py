@@ -42,6 +42,7 @@ from engine.geometry import leaf_caches
 from engine.pagecopy import (
     CAPTURE_BUFFERS,
     PageCopies,
+    device_copy,
     direct_writes,
     host_readable,
     page_regions,
@@ -147,16 +148,29 @@ def _capture_stock(cache, spec: PageSpec, num_tokens: int, copies: PageCopies) -
     """A KVCache's or QuantizedKVCache's first num_tokens tokens, as they are, in one
     copy: each block's token range of each [1, H, capacity, width] array, read where
     the array lies (engine/pagecopy.py), into one host buffer of pages."""
-    size = spec.block_size_tokens
-    n_blocks = -(-num_tokens // size)
-    hosts = {}
-    for name, array in _stock_planes(cache, spec).items():
+    return _capture_planes(_checked_planes(cache, spec), spec, num_tokens, copies)
+
+
+def _checked_planes(cache, spec: PageSpec) -> dict[str, mx.array]:
+    """_stock_planes, each plane's dtype and [1, H, tokens, width] checked against spec."""
+    planes = _stock_planes(cache, spec)
+    for name, array in planes.items():
         expected = (spec.kv_heads, spec.plane_widths[name])
         if array.dtype != spec.plane_dtypes[name] or (array.shape[1], array.shape[3]) != expected:
             raise FormatMismatch(f"{type(cache).__name__} plane {name} is {array.dtype}{array.shape}, "
                                  f"the identity says {spec.plane_dtypes[name]} [1, {expected[0]}, "
                                  f"tokens, {expected[1]}] ({spec.format.name})")
-        hosts[name] = host_readable(array if direct_writes() else array[:, :, :num_tokens])[0]
+    return planes
+
+
+def _capture_planes(planes: dict[str, mx.array], spec: PageSpec, num_tokens: int,
+                    copies: PageCopies) -> LayerCapture:
+    size = spec.block_size_tokens
+    n_blocks = -(-num_tokens // size)
+    hosts = {}
+    for name, array in planes.items():
+        whole = direct_writes() or array.shape[2] == num_tokens
+        hosts[name] = host_readable(array if whole else array[:, :, :num_tokens])[0]
     rows = CAPTURE_BUFFERS.take(n_blocks * spec.block_nbytes).reshape(n_blocks, -1)
     pages = []
     for index in range(n_blocks):
@@ -166,6 +180,67 @@ def _capture_stock(cache, spec: PageSpec, num_tokens: int, copies: PageCopies) -
         copies.add_pairs((targets[n], h[:, lo : lo + count]) for n, h in hosts.items())
         pages.append(memoryview(rows[index, : spec.page_nbytes(count)]).toreadonly())
     return LayerCapture(spec, pages, num_tokens)
+
+
+class DeferredCapture:
+    """A capture of stock caches whose host copies run later, on the thread that calls
+    result() (WriteBehindPublisher's worker): capture_later()."""
+
+    def __init__(self, identity: FormatIdentity, tokens: tuple[int, ...],
+                 layers: list[tuple[PageSpec, dict[str, mx.array]]]):
+        self.identity, self.tokens, self._layers = identity, tokens, layers
+        n = len(tokens)
+        self.nbytes = sum(spec.page_nbytes(min(spec.block_size_tokens, n - lo))
+                          for spec, _ in layers for lo in range(0, n, spec.block_size_tokens))
+
+    def result(self) -> Capture:
+        """The Capture, bit for bit what capture() would have made when capture_later()
+        was called. Waits for the device copies, then copies to the host."""
+        copies = PageCopies()
+        layers = [_capture_planes(planes, spec, len(self.tokens), copies)
+                  for spec, planes in self._layers]
+        copies.run()
+        self._layers = []  # the device copies are freed with the last reference
+        return Capture(self.identity, self.tokens, layers)
+
+
+def capture_later(identity: FormatIdentity, tokens: Sequence[int], caches: Sequence,
+                  *, defer: bool | None = None) -> Capture | DeferredCapture:
+    """capture() without attachments, for a thread that must not wait (the generation
+    thread of mlx_lm.server): the same checks, raised here, and the same bytes.
+
+    Where the host cannot read MLX arrays in place (a CUDA GPU: direct_writes() is
+    False), reading a plane would wait for the device and move the live cache's buffer
+    into managed memory, which every later decode step then reads across the bus
+    (engine/pagecopy.py). So this only queues a device copy of each plane's first
+    len(tokens) tokens into a buffer of its own (device_copy, mx.async_eval: no wait)
+    and returns a DeferredCapture; its result() makes the host copies on another
+    thread, from those buffers alone. The queued copies hold device memory of the
+    capture's nbytes until then. Elsewhere (the CPU, unified memory) a device copy
+    would be one more pass over memory on the stream the next step waits for, so the
+    capture is made at once, as capture() does. `defer` overrides the choice (tests).
+
+    Only stock caches (KVCache, QuantizedKVCache) are deferred; a PagedKVCache's pool
+    is read at once (its blocks may be freed and rewritten after this returns)."""
+    caches = leaf_caches(caches)
+    defer = (not direct_writes()) if defer is None else defer
+    if not defer or not all(isinstance(c, (KVCache, QuantizedKVCache)) for c in caches):
+        return capture(identity, tokens, caches)
+    if len(caches) != len(identity.layers):
+        raise InvalidRequest(f"{len(caches)} caches for a format of {len(identity.layers)} layers")
+    tokens = tuple(int(t) for t in tokens)
+    _check_offsets(caches, len(tokens), exact=False)
+    _check_conversion(identity, caches, len(tokens))
+    layers, frozen = [], []
+    for cache, spec in zip(caches, page_specs(identity), strict=True):
+        if spec is None:
+            continue
+        planes = {name: device_copy(array[:, :, : len(tokens)])
+                  for name, array in _checked_planes(cache, spec).items()}
+        layers.append((spec, planes))
+        frozen += planes.values()
+    mx.async_eval(frozen)
+    return DeferredCapture(identity, tokens, layers)
 
 
 def capture(identity: FormatIdentity, tokens: Sequence[int], caches: Sequence,

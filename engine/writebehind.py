@@ -1,7 +1,8 @@
 """WriteBehindPublisher: publishing that never blocks decode.
 
 The caller captures (engine.publish.capture: a host copy of the pages, so the live
-cache may change at once) and submits; one worker thread uploads captures in order.
+cache may change at once; or capture_later: device copies only, whose host copies the
+worker makes) and submits; one worker thread uploads captures in order.
 The queue is capped in bytes of pinned captures. Over the cap, the oldest capture
 not in flight is dropped, down to the newest one: that one is always kept, so a single
 capture larger than the cap (a long prompt of a large model) is still published, and
@@ -18,7 +19,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from engine.publish import DEFAULT_NAMESPACE, Capture, PublishResult, upload
+from engine.publish import DEFAULT_NAMESPACE, Capture, DeferredCapture, PublishResult, upload
 
 log = logging.getLogger(__name__)
 DEFAULT_CAPACITY_NBYTES = 256 << 20
@@ -26,7 +27,7 @@ DEFAULT_CAPACITY_NBYTES = 256 << 20
 
 @dataclass
 class _Job:
-    capture: Capture
+    capture: Capture | DeferredCapture
     namespace: str
     checkpoint: str | None
     metadata: dict | None
@@ -56,10 +57,12 @@ class WriteBehindPublisher:
         self._worker.start()
 
     # -- producer side -------------------------------------------------------------
-    def submit(self, capture: Capture, *, checkpoint: str | None = None,
+    def submit(self, capture: Capture | DeferredCapture, *, checkpoint: str | None = None,
                metadata: dict | None = None, namespace: str | None = None) -> bool:
         """Queue a capture; returns False only when the publisher is closed (an older
-        capture may be dropped to make room under the cap)."""
+        capture may be dropped to make room under the cap). A DeferredCapture counts
+        its nbytes against the cap from here (device memory until the worker copies it
+        to the host)."""
         job = _Job(capture, namespace or self.namespace, checkpoint, metadata)
         with self._cond:
             if self._closed:
@@ -96,7 +99,10 @@ class WriteBehindPublisher:
                     return
                 job = self._in_flight = self._queue.popleft()
             try:
-                result = upload(self.store, job.capture, namespace=job.namespace,
+                capture = job.capture
+                if isinstance(capture, DeferredCapture):
+                    capture = capture.result()
+                result = upload(self.store, capture, namespace=job.namespace,
                                 checkpoint=job.checkpoint, metadata=job.metadata)
             except Exception as exc:  # noqa: BLE001 - never raised into generation
                 with self._cond:
