@@ -138,6 +138,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu(pid: int, top: int = 8) -> list[tuple[str, float]]:
+    """The process's busiest threads since they started: (name, CPU seconds), from
+    /proc/PID/task (Linux; [] elsewhere). Where a run's extra CPU goes."""
+    out = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return []
+    for task in tasks:
+        try:
+            comm, rest = task.joinpath("stat").read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        fields = rest.split()
+        name = comm.split("(", 1)[1]
+        out.append((f"{name}/{task.name}", (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")))
+    return sorted(out, key=lambda x: -x[1])[:top]
+
+
 def load_average() -> str:
     try:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -180,7 +199,7 @@ def _warm_start(server) -> float:
 
 def run(size: str, contexts: list[int], repeats: int, clients: int, max_tokens: int,
         work: Path, rounds: int, model_dir: Path | None = None,
-        warm_start: bool = False) -> dict:
+        warm_start: bool = False, warmup_rounds: int = 1) -> dict:
     from tools.bench.server_process import serve_model, server_env, stock_server
 
     load_start = load_average()
@@ -259,8 +278,9 @@ def run(size: str, contexts: list[int], repeats: int, clients: int, max_tokens: 
             serve_model(model, env, logs / "served-tput.log", "--store",
                         str(work / "store-tput"), *extra) as served:
         arms = {"stock": stock, "served": served}
-        for name, server in arms.items():  # first-request costs out of the rounds
-            throughput(server, clients, words, max_tokens, 10_000 + len(tps[name]) + (name == "served"))
+        for warm in range(warmup_rounds):  # first-request and first-shape costs out of the rounds
+            for name, server in arms.items():
+                throughput(server, clients, words, max_tokens, 10_000 + 2 * warm + (name == "served"))
         for round_ in range(rounds):  # interleaved, ABBA: both see the same machine load
             order = ("stock", "served") if round_ % 2 == 0 else ("served", "stock")
             for name in order:
@@ -274,6 +294,7 @@ def run(size: str, contexts: list[int], repeats: int, clients: int, max_tokens: 
         # what the write-behind thread still had to upload belongs to the served arm
         served_cpu_tail = _settle_cpu(served)
         cpu["served"] += served_cpu_tail
+        threads = {name: thread_cpu(arms[name].proc.pid) for name in arms}
     ratios = [b / a for a, b in zip(tps["stock"], tps["served"], strict=True)]
     cpu_per_token = {k: cpu[k] / tokens[k] if tokens[k] else float("nan") for k in cpu}
     result["load_average"]["end"] = load_average()
@@ -285,7 +306,9 @@ def run(size: str, contexts: list[int], repeats: int, clients: int, max_tokens: 
                            "ratios": [round(r, 3) for r in ratios],
                            "stock_cpu_ms_per_token": 1e3 * cpu_per_token["stock"],
                            "serve_model_cpu_ms_per_token": 1e3 * cpu_per_token["served"],
-                           "cpu_ratio": cpu_per_token["served"] / cpu_per_token["stock"]}}
+                           "cpu_ratio": cpu_per_token["served"] / cpu_per_token["stock"],
+                           "warmup_rounds": warmup_rounds,
+                           "busiest_threads_cpu_s": threads}}
 
 
 def _progress(line: str) -> None:
@@ -319,6 +342,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=None,
                         help="interleaved throughput rounds [default: 6, --quick 4; 0: "
                              "TTFT only]")
+    parser.add_argument("--warmup-rounds", type=int, default=1,
+                        help="untimed throughput rounds per arm before the timed ones")
     parser.add_argument("--warm-start", action="store_true",
                         help="after each restart, one short unrelated request before the "
                              "timed one (waits out the model load and first-use kernel "
@@ -340,7 +365,7 @@ def main(argv=None) -> int:
         try:
             result = run(size, contexts, repeats, args.clients, args.max_tokens, Path(work),
                          (4 if args.quick else 6) if args.rounds is None else args.rounds,
-                         args.model_dir, args.warm_start)
+                         args.model_dir, args.warm_start, args.warmup_rounds)
         finally:  # a run cut short (or killed by SIGTERM from timeout) keeps them too
             if args.logs is not None and (Path(work) / "logs").is_dir():
                 shutil.copytree(Path(work) / "logs", args.logs, dirs_exist_ok=True)

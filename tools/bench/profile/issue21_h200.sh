@@ -4,21 +4,24 @@
 # clients uncached) with the 8B-shaped model, in one device call. Run from the repository
 # root; results and logs go to $OUT.
 #
-# Two calls, back to back (the machine forgets everything about 30 s after a call; 64 MiB
-# carried per call, tree included, so the wheels travel in two halves):
+# Three calls, back to back (the machine forgets everything about 30 s after a call; 64 MiB
+# carried per call, tree included, so the wheels travel in three parts; docs/server.md,
+# "H200", "Third try"):
 #   1. carry [".whl/a", ".whl/kt", "build/issue21-tree.tar.gz"]:
 #        mkdir -p /root/p /root/clean && cp .whl/a/part00 /root/p/ && python3 -m pip install \
 #          -q --no-index --no-deps --no-compile --target /root/kt .whl/kt/*.whl \
 #          && tar xzf build/issue21-tree.tar.gz -C /root/clean
-#   2. carry [".whl/b", ".whl/kv"]:
-#        WHL=$PWD/.whl; cd /root/clean && WHL=$WHL bash tools/bench/profile/issue21_h200.sh
-# build/issue21-tree.tar.gz is the committed code only (git archive --format=tar HEAD kvstore
-# engine kernels api tools pyproject.toml | gzip -9): the working tree the device gets also
-# carries other people's uncommitted edits. Without it, run step 2's script in place.
-# .whl/kt: transformers, pydantic, pygments; .whl/kv: tokenizers, openai, huggingface_hub,
-# httpx, typer, xxhash 4.x and the rest of their pure-Python dependencies (numpy is the
-# image's); MLX from .whl/b (../shared/gpu/README.md).
-#
+#   2. carry [".whl/kv"]:
+#        python3 -m pip install -q --no-index --no-deps --no-compile --target /root/kt .whl/kv/*.whl
+#   3. carry [".whl/b"]:
+#        bash .whl/b/install-on-device.sh && export PYTHONPATH=/root/site:/root/kt:/root/clean \
+#          && cd /root/clean && ISSUE21_NO_INSTALL=1 bash tools/bench/profile/issue21_h200.sh
+# build/issue21-tree.tar.gz is the code to measure (git archive --format=tar HEAD kvstore
+# engine kernels api tools pyproject.toml | gzip -9). .whl/kt: pydantic, openai, httpx and
+# their small dependencies, truststore included (httpcore imports it); .whl/kv: transformers,
+# tokenizers, huggingface_hub, typer, xxhash 4.x and the rest (numpy is the image's); MLX
+# from .whl/b (../shared/gpu/README.md). Without ISSUE21_NO_INSTALL the script installs
+# MLX and .whl/kv itself (the old two-call layout, which no longer fits 64 MiB).
 # Locally (a CPU rehearsal of the same steps on a small model, PYTHONPATH already set):
 #   ISSUE21_NO_INSTALL=1 SIZE=8b-rehearsal OUT=/tmp/i21 bash tools/bench/profile/issue21_h200.sh
 #
@@ -48,9 +51,9 @@ if [ -z "${ISSUE21_NO_INSTALL:-}" ]; then
   WHL=${WHL:-$PWD/.whl}
   (cd "$WHL/.." && bash .whl/b/install-on-device.sh) >> "$OUT/install.log" 2>&1 \
     || { say "MLX install failed"; exit 3; }
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /root/kv "$WHL"/kv/*.whl \
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /root/kt "$WHL"/kv/*.whl \
     >> "$OUT/install.log" 2>&1 || { say "pip install of .whl/kv failed"; exit 3; }
-  export PYTHONPATH=/root/site:/root/kv:/root/kt:$PWD
+  export PYTHONPATH=/root/site:/root/kt:$PWD
 fi
 say "installed"
 {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 21's H200 throughput rerun alone (no TTFT part): tools.bench.server's 4-client
-# uncached throughput, 8 ABBA rounds, once with `--publish-segments ""` (publish nothing)
+# uncached throughput (96 tokens a request), 3 untimed warm-up rounds then 10 ABBA rounds, once with `--publish-segments ""` (publish nothing)
 # and once with the defaults; each run's server logs come back as $OUT/logs-<tag>.tgz.
 # Needs the first two of the three calls in docs/server.md, "H200", "Third try" (the tree
 # in /root/clean, .whl/kt and .whl/kv in /root/kt; MLX from .whl/b is installed here when
@@ -26,7 +26,7 @@ for tag, extra in (("nopublish", ("--publish-segments", "")), ("default", ())):
     w = work / tag
     w.mkdir()
     try:
-        r = b.run("8b", [], 1, 4, 32, w, 8, model_dir=Path("/dev/shm/m8b"))
+        r = b.run("8b", [], 1, 4, 96, w, 10, model_dir=Path("/dev/shm/m8b"), warmup_rounds=3)
         print(tag, json.dumps(r.get("throughput"), indent=1), flush=True)
     finally:
         os.system(f"cd {w} && tar czf {os.environ['OUT']}/logs-{tag}.tgz logs")
