@@ -226,11 +226,7 @@ def capture_later(identity: FormatIdentity, tokens: Sequence[int], caches: Seque
     defer = (not direct_writes()) if defer is None else defer
     if not defer or not all(isinstance(c, (KVCache, QuantizedKVCache)) for c in caches):
         return capture(identity, tokens, caches)
-    if len(caches) != len(identity.layers):
-        raise InvalidRequest(f"{len(caches)} caches for a format of {len(identity.layers)} layers")
-    tokens = tuple(int(t) for t in tokens)
-    _check_offsets(caches, len(tokens), exact=False)
-    _check_conversion(identity, caches, len(tokens))
+    caches, tokens = _checked_caches(identity, tokens, caches, exact=False)
     layers, frozen = [], []
     for cache, spec in zip(caches, page_specs(identity), strict=True):
         if spec is None:
@@ -257,12 +253,7 @@ def capture(identity: FormatIdentity, tokens: Sequence[int], caches: Sequence,
     than stored with layers at different offsets; publish the tokens the cache holds
     (the prompt and the generated tokens fed back) instead.
     """
-    caches = leaf_caches(caches)  # a CacheList's sub-caches are layers of their own
-    if len(caches) != len(identity.layers):
-        raise InvalidRequest(f"{len(caches)} caches for a format of {len(identity.layers)} layers")
-    tokens = tuple(int(t) for t in tokens)
-    _check_offsets(caches, len(tokens), exact=attachments)
-    _check_conversion(identity, caches, len(tokens))
+    caches, tokens = _checked_caches(identity, tokens, caches, exact=attachments)
     specs = page_specs(identity)
     layers, extra = [], {}
     copies = PageCopies()  # every layer's, run together on one set of threads
@@ -280,6 +271,20 @@ def capture(identity: FormatIdentity, tokens: Sequence[int], caches: Sequence,
                                  f"{type(cache).__name__}, which has no pages")
     copies.run()
     return Capture(identity, tokens, layers, extra)
+
+
+def _checked_caches(identity: FormatIdentity, tokens: Sequence[int], caches: Sequence,
+                    *, exact: bool) -> tuple[list, tuple[int, ...]]:
+    """(the leaf caches, the tokens as ints) after the checks every capture makes: one
+    cache per identity layer (a CacheList's sub-caches are layers of their own), the
+    offsets (_check_offsets) and the conversion history (_check_conversion)."""
+    caches = leaf_caches(caches)
+    if len(caches) != len(identity.layers):
+        raise InvalidRequest(f"{len(caches)} caches for a format of {len(identity.layers)} layers")
+    tokens = tuple(int(t) for t in tokens)
+    _check_offsets(caches, len(tokens), exact=exact)
+    _check_conversion(identity, caches, len(tokens))
+    return caches, tokens
 
 
 def _check_conversion(identity: FormatIdentity, caches: Sequence, num_tokens: int) -> None:
