@@ -38,7 +38,7 @@ from engine.formats import (
     pages_from_blocks,
     resolve_format,
 )
-from engine.pagecopy import PageCopies, direct_writes, page_regions
+from engine.pagecopy import DeferredCopies, PageCopies, direct_writes, page_regions
 from engine.pool import BlockPool
 
 # Modules whose scaled_dot_product_attention is the engine's router right now, with
@@ -282,7 +282,9 @@ class PagedKVCache:
         pool's reused staging buffer and to the device in one transfer and one scatter
         per plane. With `copies`, host-view copies are only added to it: the caller
         runs them (on worker threads, for every layer together) while the page views
-        are valid, and before anything reads or writes this pool."""
+        are valid, and before anything reads or writes this pool. On a device backend a
+        DeferredCopies (the fused read) also records the staging copies, and the caller
+        evaluates the pool's planes once they ran (BlockPool.write_pages)."""
         spec = self.spec
         size = spec.block_size_tokens
         if self.offset % size:
@@ -310,8 +312,9 @@ class PagedKVCache:
                            {n: h[block, :, :count] for n, h in hosts.items()})
             if inline:
                 copies.run()
-        else:
-            self.pool.write_pages(blocks, pages, counts)
+        else:  # a fused read's stand-ins land later: write_pages only records them
+            later = copies if isinstance(copies, DeferredCopies) else None
+            self.pool.write_pages(blocks, pages, counts, later)
         self.offset = stop
 
     # -- internals ----------------------------------------------------------------

@@ -109,12 +109,23 @@ class PendingRead:
 READ_CHUNK_NBYTES = 2 * 2**20
 
 
+# read_into's runs and threads when the sink copies into a device backend's staging (CUDA
+# managed memory, engine/pool.py write_pages) instead of into arrays the CPU reads next:
+# there cache residency does not matter, while every get_pages and every writing thread
+# costs. H200, 512 MiB restore into pools (tools/bench/profile/restore_h200.py, restore):
+# 2 MiB runs on 16 threads 109.9 ms, 16 MiB on 16 95.9, 2 MiB on 8 90.0, 16 MiB on 8
+# 78.6, 64 MiB on 8 63.4, against 77.9 for the unfused read of the views.
+STAGING_READ_CHUNK_NBYTES = 64 * 2**20
+STAGING_READ_WORKERS = 8
+
+
 def read_into(store: PageReader, digests: Sequence, sink: Callable[[int, object], None],
-              page_nbytes: int, workers: int | None = None) -> None:
+              page_nbytes: int, workers: int | None = None,
+              chunk_nbytes: int = READ_CHUNK_NBYTES) -> None:
     """The fused read: sink(i, page) for every digest, each page handed over right after
     the store verified it (valid during the call), in no particular order, from up to
     `workers` threads (default READ_WORKERS) of a shared pool. page_nbytes (the largest
-    page's length, about) sizes the runs: READ_CHUNK_NBYTES of pages per get_pages.
+    page's length, about) sizes the runs: chunk_nbytes of pages per get_pages.
 
     A damaged or missing page raises the store's error (IntegrityError after it
     quarantined the page; NotFound), a failing sink its own: that of the earliest run
@@ -131,7 +142,7 @@ def read_into(store: PageReader, digests: Sequence, sink: Callable[[int, object]
             for i, view in enumerate(views):
                 sink(i, view)
         return
-    chunk = max(1, READ_CHUNK_NBYTES // max(1, page_nbytes))
+    chunk = max(1, chunk_nbytes // max(1, page_nbytes))
     step = -(-len(digests) // workers)
     stop = threading.Event()
 
@@ -183,4 +194,5 @@ class _Reader(threading.Thread):
             self.ready.set()
 
 
-__all__ = ["PendingRead", "read_into", "read_pages", "READ_WORKERS"]
+__all__ = ["PendingRead", "read_into", "read_pages", "READ_WORKERS", "STAGING_READ_CHUNK_NBYTES",
+           "STAGING_READ_WORKERS"]

@@ -23,7 +23,14 @@ import numpy as np
 
 from engine.errors import PoolExhausted
 from engine.formats import PageSpec, require_paged
-from engine.pagecopy import DeviceStaging, PageCopies, device_copy, host_view, page_regions
+from engine.pagecopy import (
+    DeferredCopies,
+    DeviceStaging,
+    PageCopies,
+    device_copy,
+    host_view,
+    page_regions,
+)
 
 
 class BlockPool:
@@ -171,7 +178,8 @@ class BlockPool:
         write only blocks you own, and before the next MLX write into this pool."""
         return {name: host_view(plane) for name, plane in self.planes.items()}
 
-    def write_pages(self, blocks: list[int], pages: list, counts: list[int]) -> None:
+    def write_pages(self, blocks: list[int], pages: list, counts: list[int],
+                    later: DeferredCopies | None = None) -> None:
         """Pages (bytes, page layout, counts[i] tokens each) into whole blocks, for
         device backends (direct_writes() False): each page copied once, on the copy
         threads, into the pool's DeviceStaging buffer laid out as the planes' blocks
@@ -181,7 +189,12 @@ class BlockPool:
         the device. The device work is started, not awaited: the caller's next layer
         is copied on the host meanwhile; the staging buffer is rewritten only after it
         (DeviceStaging.take waits), and anything that reads the planes is ordered after
-        it by MLX."""
+        it by MLX.
+
+        With `later` (the fused read of a restore, engine/restore.py), the pages are
+        its stand-ins: the copies into staging are only recorded in it, and the device
+        work is neither started nor awaited, since it must read the staging after the
+        pages land. The caller runs the read, then evaluates self.planes."""
         for block in blocks:
             assert self._refs[block] == 1, f"write into block {block} with {self._refs[block]} refs"
         spec = self.spec
@@ -197,11 +210,12 @@ class BlockPool:
             plane = plane if dtype == mx.uint8 else plane.view(dtype)
             devices[r.name] = plane.reshape(n, r.heads, r.tokens, spec.plane_widths[r.name])
             at += n * r.nbytes
-        copies = PageCopies()
+        copies = PageCopies() if later is None else later
         for index, (page, count) in enumerate(zip(pages, counts, strict=True)):
             copies.add(page, page_regions(spec, count),
                        {name: h[index, :, :count] for name, h in hosts.items()})
-        copies.run()
+        if later is None:
+            copies.run()
         runs = _consecutive_runs(blocks)
         ids = mx.array(blocks, dtype=mx.int32) if len(runs) > 4 else None
         for name, plane in devices.items():
@@ -215,7 +229,8 @@ class BlockPool:
                     self.planes[name][first : first + count] = plane[start : start + count]
         written = list(self.planes.values())
         self._staging.hold(written)
-        mx.async_eval(written)
+        if later is None:
+            mx.async_eval(written)
 
 
 def _consecutive_runs(blocks: list[int]) -> list[tuple[int, int, int]]:

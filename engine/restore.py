@@ -87,7 +87,7 @@ from engine.pagecopy import (
     host_view,
     page_regions,
 )
-from engine.pageread import read_into, read_pages
+from engine.pageread import STAGING_READ_CHUNK_NBYTES, STAGING_READ_WORKERS, read_into, read_pages
 from engine.publish import DEFAULT_NAMESPACE
 from engine.stock import ConvertedQuantizedKVCache, TrackedKVCache
 from kvstore.errors import IncompatibleFormat, NotFound
@@ -520,7 +520,7 @@ def _build(engine_model: EngineModel, store: PageReader, plan: _Plan,
     top = _fresh(engine_model, plan, grant)
     caches = leaf_caches(top)  # one per identity layer (CacheLists flattened)
     try:
-        fused = _fused(store, plan)
+        fused = _fused(engine_model, store, plan)
         read = _read_fused if fused else _read_views
         targets = _Targets(adopted, grant, DeferredCopies() if fused else PageCopies())
         nbytes = read(engine_model, store, plan, fetched, caches, targets)
@@ -544,14 +544,22 @@ def _build(engine_model: EngineModel, store: PageReader, plan: _Plan,
                     ckpt.name if ckpt is not None else None, resident_blocks=shared)
 
 
-def _fused(store: PageReader, plan: _Plan) -> bool:
-    """Whether the plan's pages are read fused (_read_fused): where restores write through
-    host views (direct_writes) from a store that maps its pages, unless a layer is
-    quantized on restore (that needs the bytes while it is laid out)."""
+def _fused(engine_model: EngineModel, store: PageReader, plan: _Plan) -> bool:
+    """Whether the plan's pages are read fused (_read_fused), from a store that maps its
+    pages: where restores write through host views (direct_writes), unless a layer is
+    quantized on restore (that needs the bytes while it is laid out); on a device
+    backend, into pools, one per layer (each pool's staging buffer holds one layer's
+    pages until the device copies them, BlockPool.write_pages)."""
+    if not store.maps_pages:
+        return False
+    if not direct_writes():
+        paged = plan.identity.paged_layers
+        return (plan.cache_kind == "paged"
+                and len({id(engine_model.pools[layer]) for layer in paged}) == len(paged))
     quantizes = plan.cache_kind == "quantized" and any(
         layer.paged and not PageSpec.from_layer_spec(layer, plan.identity.block_size_tokens).format.mlx_affine
         for layer in plan.identity.layers)
-    return direct_writes() and store.maps_pages and not quantizes
+    return not quantizes
 
 
 def _read_fused(engine_model: EngineModel, store: PageReader, plan: _Plan, fetched: list,
@@ -578,7 +586,13 @@ def _read_fused(engine_model: EngineModel, store: PageReader, plan: _Plan, fetch
     for j, layer in enumerate(paged):
         caches[layer] = _layer_cache(engine_model, plan, layer, stand_ins[j * n : (j + 1) * n], targets)
     digests = [block.pages[j] for j in range(len(paged)) for block in fetched]
-    read_into(store, digests, targets.copies.copy, page_nbytes)
+    if direct_writes():
+        read_into(store, digests, targets.copies.copy, page_nbytes)
+    else:  # into the pools' staging, in long runs on fewer threads (engine/pageread.py);
+        # then the device copies every layer's staging into its pool (one pool per layer)
+        read_into(store, digests, targets.copies.copy, page_nbytes, STAGING_READ_WORKERS,
+                  STAGING_READ_CHUNK_NBYTES)
+        mx.async_eval([plane for layer in paged for plane in engine_model.pools[layer].planes.values()])
     targets.copies.run()  # nothing but stand-ins was added: a no-op
     return sum(lengths)
 

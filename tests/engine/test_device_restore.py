@@ -1,0 +1,101 @@
+"""The fused read on a device backend (direct_writes() False: CUDA), run on the CPU.
+
+There each pool's pages go through its DeviceStaging buffer: the fused restore lays
+every layer out on stand-ins, the store's readers copy each verified page into the
+staging (BlockPool.write_pages with a DeferredCopies), and only then does the device
+copy the staging into the pool planes. These tests patch direct_writes to False where
+the restore and the caches ask it, so that path runs against the host-view one."""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import pytest
+
+from engine.engine_model import EngineModel
+from engine.formats import PageSpec, pages_from_blocks
+from engine.policy import KVPolicy
+from engine.publish import publish
+from engine.restore import RestoreRequest, restore
+from kvstore.errors import IntegrityError
+from kvstore.store import Store
+from tests.engine.factories import prompt_tokens, tiny_model
+from tests.engine.test_publish_restore import _prefilled
+from tests.kvstore.factories import flip_bit, stored_value
+
+MODEL_ID = "test/tiny"
+
+
+def _device_backend(monkeypatch) -> list:
+    """direct_writes() False for the restore and the caches; returns a list that
+    records each _read_views call (the unfused path)."""
+    monkeypatch.setattr(sys.modules["engine.restore"], "direct_writes", lambda: False)
+    monkeypatch.setattr("engine.cache.direct_writes", lambda: False)
+    restore_module = sys.modules["engine.restore"]
+    unfused, read_views = [], restore_module._read_views
+
+    def spy(*args, **kwargs):
+        unfused.append(1)
+        return read_views(*args, **kwargs)
+
+    monkeypatch.setattr(restore_module, "_read_views", spy)
+    return unfused
+
+
+def _pool_pages(engine_model, restored) -> list[list[bytes]]:
+    out = []
+    for layer in engine_model.identity.paged_layers:
+        cache, pool = restored.cache[layer], engine_model.pools[layer]
+        spec = PageSpec.from_layer_spec(engine_model.identity.layers[layer],
+                                        engine_model.identity.block_size_tokens)
+        mx.eval(pool.planes)
+        got = pages_from_blocks(spec, pool.planes, list(cache.block_ids), cache.offset)
+        out.append([bytes(p) for p in got])
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["native", "k4v4"])
+def test_the_fused_device_read_fills_the_pools_as_the_host_view_read_does(tmp_path, monkeypatch, fmt):
+    model = tiny_model("llama", mx.bfloat16)
+    policy = KVPolicy(block_size_tokens=16, default_format=fmt)
+    tokens = prompt_tokens(90, seed=60).tolist()
+    with Store(tmp_path / "s") as store:
+        publish(EngineModel(model, MODEL_ID, policy=policy), store, tokens,
+                _prefilled(model, policy, tokens))
+        host = EngineModel(model, MODEL_ID, policy=policy)
+        want = _pool_pages(host, restore(host, store, RestoreRequest(tokens + [1])))
+        unfused = _device_backend(monkeypatch)
+        device = EngineModel(model, MODEL_ID, policy=policy)
+        for _ in range(2):  # the second reuses each pool's staging buffer
+            restored = restore(device, store, RestoreRequest(tokens + [1]))
+            assert restored.tokens_restored == 90
+            assert _pool_pages(device, restored) == want  # tolerance 0
+            for cache in restored.cache:
+                cache.free()
+        assert unfused == []  # the fused read ran, not the view read
+
+
+def test_a_damaged_page_fails_the_fused_device_read_and_frees_what_it_laid_out(tmp_path, monkeypatch):
+    model = tiny_model("llama", mx.bfloat16)
+    policy = KVPolicy(block_size_tokens=16)
+    tokens = prompt_tokens(64, seed=61).tolist()
+    path = tmp_path / "s"
+    with Store(path) as store:
+        saved = publish(EngineModel(model, MODEL_ID, policy=policy), store, tokens,
+                        _prefilled(model, policy, tokens))
+        assert saved.blocks == 4
+        victim = store.lookup_prefix(EngineModel(model, MODEL_ID, policy=policy).identity.format_id,
+                                     "default", tokens).blocks[2].pages[1]
+        value = stored_value(store, victim)
+    flip_bit(path, value, 8 * len(value) - 3)
+    _device_backend(monkeypatch)
+    with Store(path) as store:
+        device = EngineModel(model, MODEL_ID, policy=policy)
+        used_before = [pool.num_used_blocks for pool in device.pools]
+        with pytest.raises(IntegrityError):
+            restore(device, store, RestoreRequest(tokens + [1]))
+        assert [pool.num_used_blocks for pool in device.pools] == used_before
+        # the page is quarantined: the next restore stops before its block, correctly
+        restored = restore(device, store, RestoreRequest(tokens + [1]))
+        assert restored.tokens_restored == 32
