@@ -94,7 +94,7 @@ def test_a_restore_that_meets_a_damaged_page_gives_its_blocks_back(tmp_path, mon
 
     if path == "views":
         restore_module = sys.modules["engine.restore"]  # engine.restore names the function
-        monkeypatch.setattr(restore_module, "_fused", lambda store, plan: False)
+        monkeypatch.setattr(restore_module, "_fused", lambda engine_model, store, plan: False)
     model = tiny_model("llama", mx.bfloat16)
     policy = KVPolicy(block_size_tokens=16)
     tokens = prompt_tokens(64, seed=5).tolist()
@@ -136,7 +136,7 @@ def test_view_and_fused_restores_give_the_same_bytes(tmp_path, monkeypatch):
     with Store(tmp_path / "store") as store:
         publish(engine_model, store, tokens, cache)
         fused = restore(engine_model, store, RestoreRequest(tokens + [0]))
-        monkeypatch.setattr(restore_module, "_fused", lambda store, plan: False)
+        monkeypatch.setattr(restore_module, "_fused", lambda engine_model, store, plan: False)
         views = restore(engine_model, store, RestoreRequest(tokens + [0]))
     assert fused.tokens_restored == views.tokens_restored == len(tokens)
     a = capture(engine_model.identity, tokens, fused.cache)
@@ -196,7 +196,7 @@ def test_a_kvcache_restore_reads_each_layer_while_the_next_is_laid_out(tmp_path,
     request = RestoreRequest(tokens + [0], cache_kind="kvcache")
     with Store(tmp_path / "store") as store:
         fused = restore(engine_model, store, request)
-        monkeypatch.setattr(restore_module, "_fused", lambda store, plan: False)
+        monkeypatch.setattr(restore_module, "_fused", lambda engine_model, store, plan: False)
         views = restore(engine_model, store, request)
     assert fused.tokens_restored == views.tokens_restored == len(tokens)
     for a, b, want in zip(fused.cache, views.cache, cache, strict=True):
