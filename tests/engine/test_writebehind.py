@@ -20,9 +20,7 @@ MODEL_ID = "test/tiny"
 
 
 def _captured(model, identity, tokens):
-    caches = make_prompt_cache(model)
-    mx.eval(model(mx.array([tokens]), cache=caches))
-    return capture(identity, tokens, caches)
+    return capture(identity, tokens, _prefilled(model, tokens))
 
 
 def test_a_capture_larger_than_the_cap_is_still_published(tmp_path):

@@ -129,13 +129,19 @@ def ttft(server, msgs, max_tokens: int = 8) -> tuple[float, int, int]:
     return first, usage.prompt_tokens, cached or 0
 
 
+def _stat_cpu(stat: Path) -> tuple[str, float]:
+    """(name, user + system CPU seconds) from a /proc/.../stat file (OSError if gone)."""
+    comm, rest = stat.read_text().rsplit(")", 1)
+    fields = rest.split()
+    return comm.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a process has used (Linux /proc; 0.0 elsewhere)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return _stat_cpu(Path(f"/proc/{pid}/stat"))[1]
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def thread_cpu(pid: int, top: int = 8) -> list[tuple[str, float]]:
@@ -148,12 +154,10 @@ def thread_cpu(pid: int, top: int = 8) -> list[tuple[str, float]]:
         return []
     for task in tasks:
         try:
-            comm, rest = task.joinpath("stat").read_text().rsplit(")", 1)
+            name, seconds = _stat_cpu(task / "stat")
         except OSError:
             continue
-        fields = rest.split()
-        name = comm.split("(", 1)[1]
-        out.append((f"{name}/{task.name}", (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")))
+        out.append((f"{name}/{task.name}", seconds))
     return sorted(out, key=lambda x: -x[1])[:top]
 
 
