@@ -150,6 +150,13 @@ class PageCopies:
         """Copy page's planes into targets (see copy_page)."""
         self.add_pairs(_page_pairs(page, regions, targets))
 
+    def add_page(self, page, row: np.ndarray) -> None:
+        """Copy page's bytes as they are into the start of row (uint8, contiguous):
+        one copy, however many planes the page holds (a device backend's staging row,
+        BlockPool.write_pages)."""
+        raw = np.frombuffer(page, dtype=np.uint8)
+        self.add_pairs([(row[: raw.nbytes], raw)])
+
     def add_pairs(self, pairs) -> None:
         """Copy each source array into its target (same shape, uint8)."""
         for target, source in pairs:
@@ -222,11 +229,35 @@ class DeferredCopies(PageCopies):
         return out
 
     def add(self, page, regions: tuple[Region, ...], targets: dict[str, np.ndarray]) -> None:
-        index = self._where.get(id(page))
-        if index is None or self._stand_ins[index] is not page:
+        index = self._index(page)
+        if index is None:
             super().add(page, regions, targets)
             return
         self._targets[index].append((regions, targets))
+
+    def add_page(self, page, row: np.ndarray) -> None:
+        index = self._index(page)
+        if index is None:
+            super().add_page(page, row)
+            return
+        self._targets[index].append((None, row[: len(page)]))
+
+    def _index(self, page) -> int | None:
+        """The number of the stand-in `page` is, or None for a real page."""
+        index = self._where.get(id(page))
+        return index if index is not None and self._stand_ins[index] is page else None
+
+    def buffers(self) -> list[np.ndarray] | None:
+        """Where each page goes, when every page handed out goes whole into one
+        contiguous buffer (add_page: a device backend's staging rows): those buffers
+        in page order, for a store's read_pages_into, which verifies and copies each
+        page there in one pass on its own threads. None when a page has other targets."""
+        out = []
+        for targets in self._targets:
+            if len(targets) != 1 or targets[0][0] is not None:
+                return None
+            out.append(targets[0][1])
+        return out
 
     def copy(self, index: int, page) -> None:
         """Page `index` (its verified bytes) into every target laid out for its stand-in."""
@@ -235,7 +266,10 @@ class DeferredCopies(PageCopies):
             raise FormatMismatch(f"page {index} holds {nbytes} bytes; its block's tokens "
                                  f"make it {expected}")
         for regions, targets in self._targets[index]:
-            copy_page(page, regions, targets)
+            if regions is None:  # add_page: the whole page into one row
+                np.copyto(targets, np.frombuffer(page, dtype=np.uint8))
+            else:
+                copy_page(page, regions, targets)
 
 
 def run_copies(pairs: list[tuple], nbytes: int, workers: int = DEFAULT_WORKERS) -> None:
