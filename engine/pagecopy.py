@@ -247,18 +247,6 @@ class DeferredCopies(PageCopies):
         index = self._where.get(id(page))
         return index if index is not None and self._stand_ins[index] is page else None
 
-    def buffers(self) -> list[np.ndarray] | None:
-        """Where each page goes, when every page handed out goes whole into one
-        contiguous buffer (add_page: a device backend's staging rows): those buffers
-        in page order, for a store's read_pages_into, which verifies and copies each
-        page there in one pass on its own threads. None when a page has other targets."""
-        out = []
-        for targets in self._targets:
-            if len(targets) != 1 or targets[0][0] is not None:
-                return None
-            out.append(targets[0][1])
-        return out
-
     def copy(self, index: int, page) -> None:
         """Page `index` (its verified bytes) into every target laid out for its stand-in."""
         nbytes, expected = memoryview(page).nbytes, len(self._stand_ins[index])

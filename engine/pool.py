@@ -196,8 +196,7 @@ class BlockPool:
 
         With `later` (the fused read of a restore, engine/restore.py), the pages are
         its stand-ins: the copies into staging are only recorded in it (each a whole
-        page into one contiguous row: DeferredCopies.buffers hands the rows to the
-        store's read_pages_into), and the device work is neither started nor awaited,
+        page into its row), and the device work is neither started nor awaited,
         since it must read the staging after the pages land. The caller runs the read,
         then evaluates self.planes."""
         for block in blocks:

@@ -90,7 +90,7 @@ from engine.pagecopy import (
 from engine.pageread import STAGING_READ_CHUNK_NBYTES, STAGING_READ_WORKERS, read_into, read_pages
 from engine.publish import DEFAULT_NAMESPACE
 from engine.stock import ConvertedQuantizedKVCache, TrackedKVCache
-from kvstore.errors import IncompatibleFormat, InvalidInput, NotFound
+from kvstore.errors import IncompatibleFormat, NotFound
 from kvstore.format import FormatIdentity, diff
 from kvstore.protocol import PageReader
 from kvstore.records import BlockRecord, Checkpoint
@@ -598,10 +598,11 @@ def _read_fused(engine_model: EngineModel, store: PageReader, plan: _Plan, fetch
 # A device restore reads its layers in groups of at least this many bytes, each group's
 # device copies started as soon as its pages are in staging, so that they overlap the
 # next group's read (_read_into_staging). H200, 8K tokens, the restore with its device
-# copies (tools/bench/profile/issue19_groups.py, medians of 5): 8B-shaped (1 GiB) in 256
-# MiB groups 92.1 ms, one group 100.9, 128 MiB groups 106.3; 1B-shaped (256 MiB) in one
-# group 36.5 ms, in 64 MiB groups 43.2: each group costs the host 2-3 ms, the device's
-# copies (about 20 ms per GiB, over the bus) hide behind the next group's read.
+# copies (tools/bench/profile/issue19_groups.py, medians of 5-6, three runs): 8B-shaped
+# (1 GiB) in 256 MiB groups 97.8 ms against 110.7 in one group and 100.2 in 128 MiB
+# groups; 1B-shaped (256 MiB, so one group) 41.8 ms, in 128 MiB groups 39.9, in 64 MiB
+# groups 42.7-43.2: each group costs the host about 2 ms, the device's copies (about 21
+# ms per GiB, over the bus) hide behind the next group's read.
 DEVICE_READ_GROUP_NBYTES = 256 * 2**20
 
 
@@ -610,12 +611,11 @@ def _read_into_staging(store: PageReader, digests: list, lengths: list[int], cop
     """The fused read on a device backend: every page into its pool's staging row
     (BlockPool.write_pages laid them out, one pool per layer; digests and their
     lengths layer-major), then the device's copies into the pools. The layers go in
-    groups of DEVICE_READ_GROUP_NBYTES: each group is read (the store's
-    read_pages_into, which verifies and copies each page in one pass on its threads,
-    into the rows copies.buffers gives; else read_into in long runs on fewer threads,
-    engine/pageread.py), then its pools' device copies start (mx.async_eval), and the
-    next group is read meanwhile."""
-    buffers = copies.buffers()
+    groups of DEVICE_READ_GROUP_NBYTES: each group is read (read_into in long runs on
+    fewer threads, engine/pageread.py; the store's own read_pages_into into the rows
+    measured slower, 114.7 against 97.8 ms at 8B, its per-page index lookups run on
+    one thread before its copies start), then its pools' device copies start
+    (mx.async_eval), and the next group is read meanwhile."""
     n = len(digests) // max(1, len(pools))
     first = 0
     while first < len(pools):
@@ -623,15 +623,9 @@ def _read_into_staging(store: PageReader, digests: list, lengths: list[int], cop
         while last < len(pools) and (last == first or nbytes < DEVICE_READ_GROUP_NBYTES):
             nbytes += sum(lengths[last * n : (last + 1) * n])
             last += 1
-        a, b = first * n, last * n
-        if buffers is None:
-            read_into(store, digests[a:b], lambda i, page, at=a: copies.copy(at + i, page), page_nbytes,
-                      STAGING_READ_WORKERS, STAGING_READ_CHUNK_NBYTES)
-        else:
-            try:
-                store.read_pages_into(digests[a:b], buffers[a:b])
-            except InvalidInput as exc:  # a page's length is not what its block makes it
-                raise FormatMismatch(f"a stored page does not fit its block: {exc}") from exc
+        a = first * n
+        read_into(store, digests[a : last * n], lambda i, page, at=a: copies.copy(at + i, page),
+                  page_nbytes, STAGING_READ_WORKERS, STAGING_READ_CHUNK_NBYTES)
         mx.async_eval([plane for pool in pools[first:last] for plane in pool.planes.values()])
         first = last
 

@@ -101,15 +101,11 @@ def test_a_damaged_page_fails_the_fused_device_read_and_frees_what_it_laid_out(t
         assert restored.tokens_restored == 32
 
 
-@pytest.mark.parametrize("store_reads", [True, False])
-def test_the_device_read_goes_by_layer_groups_through_the_stores_fused_read(tmp_path, monkeypatch,
-                                                                            store_reads):
-    """Each staging row takes one whole page, so the store's read_pages_into verifies
-    and copies the pages straight into the rows, one group of layers per call, and
-    each group's device copies start before the next group is read. Where a page has
-    other targets (buffers() None) read_into copies them instead; both bit-exact."""
-    from engine.pagecopy import DeferredCopies
-
+def test_the_device_read_goes_by_layer_groups_each_groups_copies_started_before_the_next_read(
+        tmp_path, monkeypatch):
+    """Each staging row takes one whole page (one copy per page); the layers are read
+    in groups of DEVICE_READ_GROUP_NBYTES, each group's device copies started before
+    the next group is read; bit-exact however the layers are grouped."""
     restore_module = sys.modules["engine.restore"]
     model = tiny_model("llama", mx.bfloat16)
     policy = KVPolicy(block_size_tokens=16)
@@ -120,27 +116,22 @@ def test_the_device_read_goes_by_layer_groups_through_the_stores_fused_read(tmp_
         host = EngineModel(model, MODEL_ID, policy=policy)
         want = _pool_pages(host, restore(host, store, RestoreRequest(tokens + [1])))
         _device_backend(monkeypatch)
-        if not store_reads:
-            monkeypatch.setattr(DeferredCopies, "buffers", lambda self: None)
-        calls, evals = [], []
-        real_read, real_eval = store.read_pages_into, restore_module.mx.async_eval
-        monkeypatch.setattr(store, "read_pages_into",
-                            lambda digests, buffers: calls.append(len(digests)) or real_read(digests, buffers))
+        reads, evals = [], []
+        real_read, real_eval = restore_module.read_into, restore_module.mx.async_eval
+        monkeypatch.setattr(restore_module, "read_into",
+                            lambda store, digests, *a: reads.append(len(digests)) or real_read(store, digests, *a))
         monkeypatch.setattr(restore_module.mx, "async_eval",
-                            lambda arrays: evals.append(len(calls)) or real_eval(arrays))
+                            lambda arrays: evals.append(len(reads)) or real_eval(arrays))
         device = EngineModel(model, MODEL_ID, policy=policy)
         layers = len(device.identity.paged_layers)
         assert layers >= 2, "the tiny model needs two layers to make two groups"
         for group_nbytes, groups in ((1 << 30, 1), (1, layers)):  # one group; one per layer
-            calls.clear()
+            reads.clear()
             evals.clear()
             monkeypatch.setattr(restore_module, "DEVICE_READ_GROUP_NBYTES", group_nbytes)
             restored = restore(device, store, RestoreRequest(tokens + [1]))
             assert _pool_pages(device, restored) == want  # tolerance 0
             for cache in restored.cache:
                 cache.free()
-            if store_reads:
-                assert calls == [5 * layers // groups] * groups  # 5 blocks of each layer
-                assert evals == list(range(1, groups + 1))  # each group's copies after its read
-            else:
-                assert calls == [] and len(evals) == groups
+            assert reads == [5 * layers // groups] * groups  # 5 blocks of each layer
+            assert evals == list(range(1, groups + 1))  # each group's copies after its read

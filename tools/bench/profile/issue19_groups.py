@@ -6,13 +6,11 @@ of 8 KV heads of 128, block 256) and a 1B-shaped one (256 MiB: 16 layers of 8 he
 returning (host) and then mx.synchronize (the device's tail). Variants, in rotation
 within each round so that a slow moment of the machine falls on all of them:
 
-  store, G MiB groups  the committed path (256 MiB): each group of layers of at least
-                    G MiB read by Store.read_pages_into into the pools' staging rows,
-                    its device copies started before the next group is read
-                    (engine/restore.py DEVICE_READ_GROUP_NBYTES)
-  read_into         the staging rows filled by engine/pageread.py read_into (64 MiB of
-                    pages per get_pages on 8 threads: the read before this change, now
-                    the fallback when a page has other targets), in one group
+  G MiB groups      the committed path (256 MiB): each group of layers of at least G MiB
+                    read into the pools' staging rows by engine/pageread.py read_into
+                    (64 MiB of pages per get_pages on 8 threads), its device copies
+                    started before the next group is read (engine/restore.py
+                    DEVICE_READ_GROUP_NBYTES); "one group": all layers, then the copies
 
 Medians over --rounds. From the repository root:
   PYTHONPATH=$PWD python3 tools/bench/profile/issue19_groups.py [--rounds 7] [--quick] [--json F]
@@ -30,7 +28,6 @@ import time
 import mlx.core as mx
 
 from engine import RestoreRequest, restore
-from engine.pagecopy import DeferredCopies
 from kvstore.store import Store
 from tools.bench.store import Prefix, Shape, engine_model, save_prefix
 
@@ -40,16 +37,15 @@ SHAPES = {
 }
 QUICK = Shape(layers=4, kv_heads=8, head_dim=64, tokens=1024, block_size_tokens=256)
 MiB = 2**20
-VARIANTS = (("store, 256 MiB groups", 256 * MiB, True), ("store, one group", 2**62, True),
-            ("store, 64 MiB groups", 64 * MiB, True), ("read_into, one group", 2**62, False))
+VARIANTS = (("256 MiB groups", 256 * MiB), ("one group", 2**62), ("128 MiB groups", 128 * MiB),
+            ("64 MiB groups", 64 * MiB))
 
 
 def run_shape(shape: Shape, rounds: int) -> dict:
     restore_mod = sys.modules["engine.restore"]  # the package's `restore` names the function
     model = engine_model(shape)
     prefix = Prefix(shape, model.identity)
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in VARIANTS}
-    real_buffers = DeferredCopies.buffers
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in VARIANTS}
     default_groups = restore_mod.DEVICE_READ_GROUP_NBYTES
     with tempfile.TemporaryDirectory() as tmp, Store(f"{tmp}/store") as store:
         save_prefix(store, prefix)
@@ -68,14 +64,12 @@ def run_shape(shape: Shape, rounds: int) -> dict:
 
         try:
             for r in range(rounds + 1):  # round 0 warms every variant up, untimed
-                for name, group_nbytes, store_reads in VARIANTS:
+                for name, group_nbytes in VARIANTS:
                     restore_mod.DEVICE_READ_GROUP_NBYTES = group_nbytes
-                    DeferredCopies.buffers = real_buffers if store_reads else (lambda self: None)
                     sample = once()
                     if r:
                         samples[name].append(sample)
         finally:
-            DeferredCopies.buffers = real_buffers
             restore_mod.DEVICE_READ_GROUP_NBYTES = default_groups
     out = {"nbytes": shape.nbytes, "rounds": rounds}
     for name, rows in samples.items():
@@ -103,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         out[size] = run_shape(shape, args.rounds)
         for name, row in out[size].items():
             if isinstance(row, dict):
-                print(f"{size:>5} {name:<22} total {row['total_ms']:8.2f} ms (host {row['host_ms']:.2f}, "
+                print(f"{size:>5} {name:<27} total {row['total_ms']:8.2f} ms (host {row['host_ms']:.2f}, "
                       f"tail {row['tail_ms']:.2f}; min-max {row['total_min_max_ms']})", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
