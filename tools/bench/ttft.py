@@ -93,7 +93,8 @@ def first_token(model, tokens: list[int], cache) -> int:
     return token.item()
 
 
-def run(size: str, prompts: list[int], formats: list[str], repeats: int, block_size: int) -> list[dict]:
+def run(size: str, prompts: list[int], formats: list[str], repeats: int, block_size: int,
+        profile: str | None = None) -> list[dict]:
     model, params = build_model(size)
     vocab = SIZES[size]["vocab_size"]
     rows = []
@@ -142,6 +143,8 @@ def run(size: str, prompts: list[int], formats: list[str], repeats: int, block_s
                     mx.eval(mx.argmax(logits[:, -1], axis=-1))
                     loaded.append(time.perf_counter() - t0)
                     del kv_caches
+                if profile:  # one more restore arm, untimed, under cProfile
+                    _profile_restore(f"{profile}.{fmt}.{length}.txt", model, engine_model, store, tokens)
                 rec, res = statistics.median(recompute), statistics.median(restored)
                 load = statistics.median(loaded)
                 rows.append({"size": size, "params": params, "format": fmt, "prompt_tokens": length,
@@ -155,6 +158,28 @@ def run(size: str, prompts: list[int], formats: list[str], repeats: int, block_s
                       f"restore {res * 1e3:8.1f} ms (restore() {statistics.median(calls) * 1e3:.1f}), {rec / res:7.1f}x, mlx-lm file {load * 1e3:8.1f} ms",
                       file=sys.stderr)
     return rows
+
+
+def _profile_restore(path: str, model, engine_model, store, tokens: list[int]) -> None:
+    """The restore arm once under cProfile (the first token evaluated inside it); the
+    stats by internal and by cumulative time go to `path`."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    result = restore(engine_model, store, RestoreRequest(tokens))
+    logits = model(mx.array([tokens[result.tokens_restored:]]), cache=result.cache)
+    mx.eval(mx.argmax(logits[:, -1], axis=-1))
+    profiler.disable()
+    for c in result.cache:
+        c.free()
+    text = io.StringIO()
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(30)
+    with open(path, "w") as f:
+        f.write(text.getvalue())
 
 
 def table(rows: list[dict]) -> str:
@@ -196,12 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, help="interleaved repeats, medians (default 3; --quick 2)")
     parser.add_argument("--block-size", type=int, default=256, help="tokens per block (default 256)")
     parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--profile-restore", metavar="PREFIX",
+                        help="after each case's repeats, run its restore arm once more under "
+                             "cProfile and write the stats to PREFIX.<format>.<tokens>.txt")
     args = parser.parse_args(argv)
     size = args.size or ("quick" if args.quick else "cpu")
     prompts = args.prompts or ([256, 512] if args.quick else [512, 2048, 8192])
     repeats = args.repeats or (2 if args.quick else 3)
     formats = args.formats or list(ALL_FORMATS if args.quick else FULL_FORMATS)
-    rows = run(size, prompts, formats, repeats, args.block_size)
+    rows = run(size, prompts, formats, repeats, args.block_size, args.profile_restore)
     params = rows[0]["params"] if rows else 0
     print(f"## Time to first token: store hit vs recompute\n\nmodel: llama-shaped `{size}` "
           f"({params / 1e6:.1f}M parameters, bf16), device {mx.default_device()}, block "

@@ -6,8 +6,9 @@
 #      interleaved (8B- and 1B-shaped prefixes at 8K);
 #   2. the ttft bench, native 8K, alternating processes of this tree (B) and of the
 #      tree in build/old-tree.tar.gz (A: `git archive <commit> | gzip`, carried):
-#      8B: B A B A B A, 1B: B A B A. Each process: --repeats $REPEATS (5), arms
-#      interleaved inside it. The logs and JSON go to $OUT/ab.tgz.
+#      8B: (B A) x N8 (3), 1B: (B A) x N1 (2). Each process: --repeats $REPEATS (5), arms
+#      interleaved inside it; B's processes also write a cProfile of one restore arm.
+#      The logs and JSON go to $OUT/ab.tgz.
 # Time limits (seconds): TG (probe), T8, T1 per process.
 set -u
 export PYTHONUNBUFFERED=1
@@ -18,17 +19,18 @@ fi
 PYTHONPATH=$SITE python3 -c "import mlx.core as mx, os; print('mlx', mx.__version__, mx.default_device(), os.cpu_count(), 'CPUs')"
 PYTHONPATH=$SITE:$PWD timeout ${TG:-120} python3 tools/bench/profile/issue19_groups.py --rounds ${ROUNDS:-7} \
   --json "$OUT/groups.json" > "$OUT/groups.log" 2>&1; echo "groups rc=$?"; cat "$OUT/groups.log"
-ttft() {  # ttft <label> <tree> <size>
-  (cd "$2" && PYTHONPATH=$SITE:$2 timeout "$4" python3 -m tools.bench.ttft --size "$3" --prompts 8192 \
-    --formats native --repeats ${REPEATS:-5} --json "$OUT/ttft_$1.json" > "$OUT/ttft_$1.log" 2>&1)
-  echo "ttft $1 rc=$?"; grep -E "tokens:" "$OUT/ttft_$1.log"
+ttft() {  # ttft <label> <tree> <size> <time limit> [more ttft arguments]
+  local label=$1 tree=$2 size=$3 limit=$4; shift 4
+  (cd "$tree" && PYTHONPATH=$SITE:$tree timeout "$limit" python3 -m tools.bench.ttft --size "$size" --prompts 8192 \
+    --formats native --repeats ${REPEATS:-5} --json "$OUT/ttft_$label.json" "$@" > "$OUT/ttft_$label.log" 2>&1)
+  echo "ttft $label rc=$?"; grep -E "tokens:" "$OUT/ttft_$label.log"
 }
-for i in 1 2 3; do
-  ttft 8b_B$i "$PWD" 8b ${T8:-110}
+for i in $(seq ${N8:-3}); do
+  ttft 8b_B$i "$PWD" 8b ${T8:-110} --profile-restore "$OUT/ttft_profile_8b_B$i"
   ttft 8b_A$i /root/old 8b ${T8:-110}
 done
-for i in 1 2; do
-  ttft 1b_B$i "$PWD" 1b ${T1:-60}
+for i in $(seq ${N1:-2}); do
+  ttft 1b_B$i "$PWD" 1b ${T1:-60} --profile-restore "$OUT/ttft_profile_1b_B$i"
   ttft 1b_A$i /root/old 1b ${T1:-60}
 done
 (cd "$OUT" && tar czf ab.tgz ttft_* groups.json && rm -f ttft_*)
