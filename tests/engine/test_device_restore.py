@@ -9,6 +9,7 @@ the restore and the caches ask it, so that path runs against the host-view one."
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 
 import mlx.core as mx
 import pytest
@@ -55,18 +56,27 @@ def _pool_pages(engine_model, restored) -> list[list[bytes]]:
     return out
 
 
-@pytest.mark.parametrize("fmt", ["native", "k4v4"])
-def test_the_fused_device_read_fills_the_pools_as_the_host_view_read_does(tmp_path, monkeypatch, fmt):
+@contextmanager
+def _published(tmp_path, fmt: str, n_tokens: int, seed: int):
+    """(store, a factory of fresh engine models, tokens, want): a store holding a tiny
+    llama's prefill of n_tokens in `fmt` pages (block 16), and the pools' pages that the
+    host-view restore of it gives, which the device path must match."""
     model = tiny_model("llama", mx.bfloat16)
     policy = KVPolicy(block_size_tokens=16, default_format=fmt)
-    tokens = prompt_tokens(90, seed=60).tolist()
+    tokens = prompt_tokens(n_tokens, seed=seed).tolist()
     with Store(tmp_path / "s") as store:
         publish(EngineModel(model, MODEL_ID, policy=policy), store, tokens,
                 _prefilled(model, policy, tokens))
         host = EngineModel(model, MODEL_ID, policy=policy)
         want = _pool_pages(host, restore(host, store, RestoreRequest(tokens + [1])))
+        yield store, lambda: EngineModel(model, MODEL_ID, policy=policy), tokens, want
+
+
+@pytest.mark.parametrize("fmt", ["native", "k4v4"])
+def test_the_fused_device_read_fills_the_pools_as_the_host_view_read_does(tmp_path, monkeypatch, fmt):
+    with _published(tmp_path, fmt, 90, seed=60) as (store, engine_model, tokens, want):
         unfused = _device_backend(monkeypatch)
-        device = EngineModel(model, MODEL_ID, policy=policy)
+        device = engine_model()
         for _ in range(2):  # the second reuses each pool's staging buffer
             restored = restore(device, store, RestoreRequest(tokens + [1]))
             assert restored.tokens_restored == 90
@@ -107,14 +117,7 @@ def test_the_device_read_goes_by_layer_groups_each_groups_copies_started_before_
     in groups of DEVICE_READ_GROUP_NBYTES, each group's device copies started before
     the next group is read; bit-exact however the layers are grouped."""
     restore_module = sys.modules["engine.restore"]
-    model = tiny_model("llama", mx.bfloat16)
-    policy = KVPolicy(block_size_tokens=16)
-    tokens = prompt_tokens(70, seed=62).tolist()
-    with Store(tmp_path / "s") as store:
-        publish(EngineModel(model, MODEL_ID, policy=policy), store, tokens,
-                _prefilled(model, policy, tokens))
-        host = EngineModel(model, MODEL_ID, policy=policy)
-        want = _pool_pages(host, restore(host, store, RestoreRequest(tokens + [1])))
+    with _published(tmp_path, "native", 70, seed=62) as (store, engine_model, tokens, want):
         _device_backend(monkeypatch)
         reads, evals = [], []
         real_read, real_eval = restore_module.read_into, restore_module.mx.async_eval
@@ -122,7 +125,7 @@ def test_the_device_read_goes_by_layer_groups_each_groups_copies_started_before_
                             lambda store, digests, *a: reads.append(len(digests)) or real_read(store, digests, *a))
         monkeypatch.setattr(restore_module.mx, "async_eval",
                             lambda arrays: evals.append(len(reads)) or real_eval(arrays))
-        device = EngineModel(model, MODEL_ID, policy=policy)
+        device = engine_model()
         layers = len(device.identity.paged_layers)
         assert layers >= 2, "the tiny model needs two layers to make two groups"
         for group_nbytes, groups in ((1 << 30, 1), (1, layers)):  # one group; one per layer
