@@ -28,8 +28,8 @@ is allocated:
      per plane and layer of the stock mlx-lm caches (host views of MLX memory,
      engine/pagecopy.py), fused for a local store: every layer is laid out first (on
      stand-ins of the pages' lengths), then each reader copies the pages it has just
-     verified while they are in cache (_read_fused; into fresh per-layer arrays, each
-     layer is read while the next is laid out: _LayerReads); on a CUDA GPU, after one
+     verified while they are in cache (_read_fused; fresh per-layer arrays are
+     allocated uninitialised, and the copies are their only write); on a CUDA GPU, after one
      verified read, into a reused host staging buffer that the GPU reads in place,
      one slice update per plane and layer, started layer by layer so the GPU's copy
      of one layer overlaps the host's copy of the next (_read_views). A page that
@@ -86,6 +86,7 @@ from engine.pagecopy import (
     direct_writes,
     host_view,
     page_regions,
+    uninitialised,
 )
 from engine.pageread import STAGING_READ_CHUNK_NBYTES, STAGING_READ_WORKERS, read_into, read_pages
 from engine.publish import DEFAULT_NAMESPACE
@@ -401,9 +402,10 @@ def _history(spec: PageSpec, pages: list,
     shapes = {n: (spec.kv_heads, n_tokens, widths[n] * dtypes[n].size) for n in spec.plane_names}
     direct = direct_writes()
     if direct:
-        out = {n: mx.zeros((1, spec.kv_heads, n_tokens, widths[n]), dtypes[n])
-               for n in spec.plane_names}
-        mx.eval(out)
+        # uninitialised: the pages below write every byte (_check_page_lengths: they
+        # hold exactly n_tokens whole tokens of every plane)
+        out = uninitialised({n: (1, spec.kv_heads, n_tokens, widths[n]) for n in spec.plane_names},
+                            dtypes)
         hosts = {n: host_view(a)[0] for n, a in out.items()}  # [H, tokens, row bytes]
     else:
         staging = _STAGING.buffer()
@@ -567,22 +569,19 @@ def _read_fused(engine_model: EngineModel, store: PageReader, plan: _Plan, fetch
     """Every paged layer's cache laid out on stand-ins for its pages (each page's length
     from its block's tokens), and each page copied into its targets by the reader that
     verified it, while it is in cache (engine/pageread.py read_into), on several threads
-    at once: one pass over the bytes. Pools are laid out first, then read; fresh
-    per-layer arrays (KVCache, QuantizedKVCache) are read layer by layer while the next
-    layer is allocated (_LayerReads). Returns the bytes read."""
+    at once: one pass over the bytes. Every layer is laid out first, then read, into
+    pools and into fresh per-layer arrays (KVCache, QuantizedKVCache) alike: the fresh
+    arrays are allocated uninitialised (_history), so laying out 32 layers of 512 MiB
+    costs about 25 ms and the copies are the first touch of their memory. (2-core CPU,
+    512 MiB into KVCache layout, medians of 6: 151 ms warm, 387-412 ms on memory fresh
+    from the OS, against 143-240 / 454-476 ms when each layer was read on a thread of
+    its own while the next was allocated, which made the allocation wait for the GIL.)
+    Returns the bytes read."""
     paged, n, size = plan.identity.paged_layers, len(fetched), plan.identity.block_size_tokens
     specs = [PageSpec.from_layer_spec(plan.identity.layers[layer], size) for layer in paged]
     lengths = [spec.page_nbytes(len(block.tokens)) for spec in specs for block in fetched]
     stand_ins = targets.copies.stand_ins(lengths)  # layer-major: layer j, block i at j * n + i
     page_nbytes = max((s.block_nbytes for s in specs), default=1)
-    if plan.cache_kind != "paged":  # fresh arrays per layer: laid out while the last one is read
-        with _LayerReads(store, page_nbytes, targets.copies.copy) as reads:
-            for j, layer in enumerate(paged):
-                caches[layer] = _layer_cache(engine_model, plan, layer, stand_ins[j * n : (j + 1) * n],
-                                             targets)
-                reads.add([block.pages[j] for block in fetched], j * n)
-        targets.copies.run()  # nothing but stand-ins was added: a no-op
-        return sum(lengths)
     for j, layer in enumerate(paged):
         caches[layer] = _layer_cache(engine_model, plan, layer, stand_ins[j * n : (j + 1) * n], targets)
     digests = [block.pages[j] for j in range(len(paged)) for block in fetched]
@@ -628,64 +627,6 @@ def _read_into_staging(store: PageReader, digests: list, lengths: list[int], cop
                   page_nbytes, STAGING_READ_WORKERS, STAGING_READ_CHUNK_NBYTES)
         mx.async_eval([plane for pool in pools[first:last] for plane in pool.planes.values()])
         first = last
-
-
-class _LayerReads:
-    """The fused read of a restore into fresh per-layer arrays (KVCache, QuantizedKVCache),
-    one layer at a time on a thread of its own, so that each layer's pages are verified
-    and copied (read_into, on the reader threads) while the caller lays out the next
-    layer. Laying out a layer allocates and zero-fills its arrays, and on this VM the
-    first touch of fresh memory is the largest cost of such a restore (about 131k page
-    faults per 512 MiB, 3-4 us each; docs/benchmarks.md): it overlaps the reads instead
-    of preceding all of them.
-
-    add(digests, first) hands over one layer's pages, numbered from `first` in the
-    sink's numbering; the with-block ends once every read ran, and raises the first
-    error (IntegrityError, NotFound, FormatMismatch from the sink). After an error, the
-    layers not yet read are skipped; nothing writes the arrays once the block is left."""
-
-    def __init__(self, store: PageReader, page_nbytes: int, sink):
-        self.store, self.page_nbytes, self.sink = store, page_nbytes, sink
-        self.error: BaseException | None = None
-        self._queue: list = []
-        self._ready = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kv-layer-reads", daemon=True)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def add(self, digests: list, first: int) -> None:
-        with self._ready:
-            self._queue.append((digests, first))
-            self._ready.notify()
-        if self.error is not None:
-            raise self.error
-
-    def _run(self) -> None:
-        while True:
-            with self._ready:
-                while not self._queue and not self._closed:
-                    self._ready.wait()
-                if not self._queue:
-                    return
-                digests, first = self._queue.pop(0)
-            if self.error is not None:
-                continue  # drain: nothing more is read after an error
-            try:
-                read_into(self.store, digests, lambda i, page, at=first: self.sink(at + i, page),
-                          self.page_nbytes)
-            except BaseException as exc:  # raised on the caller's thread
-                self.error = exc
-
-    def __exit__(self, *exc_info) -> None:
-        with self._ready:
-            self._closed = True
-            self._ready.notify()
-        self._thread.join()
-        if self.error is not None and exc_info[0] is None:
-            raise self.error
 
 
 def _read_views(engine_model: EngineModel, store: PageReader, plan: _Plan, fetched: list,

@@ -25,6 +25,7 @@ from engine.pagecopy import (
     host_readable,
     host_view,
     page_regions,
+    uninitialised,
 )
 from engine.pageread import read_pages
 from engine.pool import BlockPool
@@ -56,6 +57,19 @@ def test_host_view_writes_the_arrays_own_memory_and_refuses_a_strided_view():
     with pytest.raises(AssertionError):
         host_view(a[:, 1:3])
     assert host_readable(a[:, 1:3]).shape == (3, 2, 10)  # copied instead
+
+
+def test_uninitialised_arrays_have_their_shapes_and_are_the_memory_their_host_views_write():
+    shapes = {"k": (2, 33, 7), "v": (1, 5, 4), "codes": (3, 4, 2)}
+    dtypes = {"k": mx.bfloat16, "v": mx.float32, "codes": mx.uint32}
+    out = uninitialised(shapes, dtypes)
+    assert {n: (a.shape, a.dtype) for n, a in out.items()} == {n: (shapes[n], dtypes[n]) for n in shapes}
+    rng = np.random.default_rng(5)
+    for a in out.values():
+        want = rng.integers(0, 256, size=host_view(a).shape, dtype=np.uint8)
+        host_view(a)[...] = want
+        assert np.array(a.view(mx.uint8)).tobytes() == want.tobytes()
+    assert uninitialised({}, {}) == {}
 
 
 @pytest.mark.skipif(not direct_writes(), reason="device backend: pages go through staging")

@@ -185,10 +185,10 @@ def _published_kv(tmp_path, seed: int, n_tokens: int):
     return engine_model, tokens, cache
 
 
-def test_a_kvcache_restore_reads_each_layer_while_the_next_is_laid_out(tmp_path, monkeypatch):
-    """The KVCache layout's fused read (engine/restore.py _LayerReads: layer j read while
-    layer j + 1 is allocated) against the device path's one read of views, run on the
-    CPU, and the published caches: the same K and V, bit for bit (tolerance 0)."""
+def test_a_kvcache_restores_fused_read_gives_the_bytes_of_the_view_read(tmp_path, monkeypatch):
+    """The KVCache layout's fused read (engine/restore.py _read_fused: every layer laid
+    out, then one read) against the device path's one read of views, run on the CPU,
+    and the published caches: the same K and V, bit for bit (tolerance 0)."""
     import sys
 
     restore_module = sys.modules["engine.restore"]  # engine.restore names the function
@@ -207,19 +207,50 @@ def test_a_kvcache_restore_reads_each_layer_while_the_next_is_laid_out(tmp_path,
                 == np.array(z.view(mx.uint16)).tobytes()
 
 
-def test_a_kvcache_restore_that_meets_a_damaged_page_raises_once_every_read_stopped(tmp_path):
-    """A damaged page in a middle layer: IntegrityError on the caller's thread, and the
-    layer-read thread has ended (nothing writes the arrays after restore returns)."""
-    import threading
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_kvcache_restore_writes_every_byte_of_its_uninitialised_arrays(tmp_path, monkeypatch, fused):
+    """The KVCache layout's arrays are allocated uninitialised (engine/pagecopy.py
+    uninitialised): here they start as 0xAB in every byte, and the restore must still
+    give the published K and V bit for bit (tolerance 0), the last block short."""
+    import sys
 
+    restore_module = sys.modules["engine.restore"]  # engine.restore names the functions
+
+    def filled(shapes, dtypes):
+        out = {n: mx.full(shape[:-1] + (shape[-1] * dtypes[n].size,), 0xAB, mx.uint8).view(dtypes[n])
+               for n, shape in shapes.items()}
+        mx.eval(list(out.values()))
+        return out
+
+    monkeypatch.setattr(restore_module, "uninitialised", filled)
+    if not fused:
+        monkeypatch.setattr(restore_module, "_fused", lambda engine_model, store, plan: False)
+    engine_model, tokens, cache = _published_kv(tmp_path, seed=9, n_tokens=72)
+    with Store(tmp_path / "store") as store:
+        restored = restore(engine_model, store, RestoreRequest(tokens + [0], cache_kind="kvcache"))
+    assert restored.tokens_restored == len(tokens)
+    for got, want in zip(restored.cache, cache, strict=True):
+        keys, values = want.state
+        assert got.keys.shape == keys.shape and got.values.shape == values.shape
+        for x, z in ((got.keys, keys), (got.values, values)):
+            assert np.array(x.view(mx.uint16)).tobytes() == np.array(z.view(mx.uint16)).tobytes()
+
+
+def test_a_kvcache_restore_that_meets_a_damaged_page_raises_integrity_error(tmp_path):
+    """A damaged page in a middle layer of block 1: IntegrityError on the caller's
+    thread; the page is quarantined, so the next restore serves block 0 alone, bit for
+    bit (tolerance 0)."""
     engine_model, tokens, cache = _published_kv(tmp_path, seed=8, n_tokens=64)
     with Store(tmp_path / "store") as store:
         match = store.lookup_prefix(engine_model.identity.format_id, "default", tokens)
         value = stored_value(store, match.blocks[1].pages[len(match.blocks[1].pages) // 2])
+    block0 = [[np.array(x[..., :16, :].view(mx.uint16)).tobytes() for x in c.state] for c in cache]
     for c in cache:
         c.free()
     flip_bit(tmp_path / "store", value, HEADER_NBYTES * 8 + 77)
     with Store(tmp_path / "store") as store:
         with pytest.raises(IntegrityError):
             restore(engine_model, store, RestoreRequest(tokens + [0], cache_kind="kvcache"))
-    assert not [t for t in threading.enumerate() if t.name == "kv-layer-reads"]
+        again = restore(engine_model, store, RestoreRequest(tokens + [0], cache_kind="kvcache"))
+    assert again.tokens_restored == 16  # block 0: the quarantined page's block is not served
+    assert [[np.array(x.view(mx.uint16)).tobytes() for x in (c.keys, c.values)] for c in again.cache] == block0
