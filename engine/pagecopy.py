@@ -58,7 +58,7 @@ def direct_writes() -> bool:
     return not (mx.default_device() == mx.gpu and mx.cuda.is_available())
 
 
-# MLX's safetensors name of each dtype a plane can have (_uninitialised_stream).
+# MLX's safetensors name of each dtype a plane can have (_UninitialisedStream).
 _SAFETENSORS_DTYPES = {mx.uint8: "U8", mx.uint16: "U16", mx.uint32: "U32", mx.int8: "I8",
                        mx.int16: "I16", mx.int32: "I32", mx.float16: "F16", mx.bfloat16: "BF16",
                        mx.float32: "F32"}
@@ -75,9 +75,10 @@ def uninitialised(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, mx.Dtype
     the restore's copy then writes the bytes a second time. mx.load of a safetensors
     file object allocates each tensor and hands its memory to the object's readinto,
     which here leaves it as it is: the restore's own copy is the first and only write.
-    (2-core CPU, 32 layers of [2, 1, 8, 4096, 128] bf16: allocate and copy 79 ms
-    against 148 ms through mx.zeros.) A build of MLX that called read() instead would
-    get zeros from it: slower, never wrong."""
+    (2-core CPU, a probe: 32 arrays of [2, 1, 8, 4096, 128] bf16 allocated and each
+    filled by one numpy copy, medians of 5: 79 ms this way against 148 ms through
+    mx.zeros; the restore itself: docs/benchmarks.md "2026-12-03".) A build of MLX that
+    called read() instead would get zeros from it: slower, never wrong."""
     names = list(shapes)
     if not names:
         return {}
