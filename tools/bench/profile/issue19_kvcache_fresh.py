@@ -69,10 +69,9 @@ def main(argv: list[str] | None = None) -> int:
                     faults, t0 = _minor_faults(), time.perf_counter()
                     if name.startswith("restore"):
                         out = restore(model, store, request).cache
-                        mx.eval([c.state for c in out])
                     else:
                         out = load_prompt_cache(cache_file)
-                        mx.eval([c.state for c in out])
+                    mx.eval([c.state for c in out])
                     samples[name].append((time.perf_counter() - t0, _minor_faults() - faults))
                     del out
             for name, values in samples.items():
