@@ -79,13 +79,12 @@ def uninitialised(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, mx.Dtype
     filled by one numpy copy, medians of 5: 79 ms this way against 148 ms through
     mx.zeros; the restore itself: docs/benchmarks.md "2026-12-03".) A build of MLX that
     called read() instead would get zeros from it: slower, never wrong."""
-    names = list(shapes)
-    if not names:
+    if not shapes:
         return {}
-    stream = _UninitialisedStream([(n, shapes[n], dtypes[n]) for n in names])
-    out = mx.load(stream, format="safetensors")
+    out = mx.load(_UninitialisedStream([(n, shape, dtypes[n]) for n, shape in shapes.items()]),
+                  format="safetensors")
     mx.eval(list(out.values()))  # read here, whatever MLX defers: host views alias them next
-    return {n: out[n] for n in names}
+    return out
 
 
 class _UninitialisedStream(io.RawIOBase):
