@@ -34,12 +34,14 @@ from kernels import cuda, metal, prefill, quantized_attention
 from kernels.call import PagedAttentionCall
 from kernels.direct import (
     ROWS_PER_BLOCK,
+    cached_plan,
     cuda_kernel_for,
     kernel_supports,
-    plan_launch,
     split_count,
+    with_call_inputs,
 )
 from kernels.errors import BackendUnavailable
+from kernels.launch import LaunchPlan
 from kernels.layout import PageLayout
 from kernels.partitioned import partition_size, partitioned_attention
 from kernels.reference import reference_attention
@@ -134,8 +136,7 @@ def attend(call: PagedAttentionCall, *, impl: str | None = None, partition_token
     ([B, Hkv, L, D], unrotated, as written), which "dequantized" attends to in full
     precision (the others read them from the pages)."""
     tuning = tuning or environment_tuning()
-    chosen = select_impl(impl, call.num_queries, call.mask, call.layout, call.k_head_dim,
-                         call.v_head_dim, tuning=tuning)
+    chosen, plan = _route(call, impl, tuning)
     if chosen == "dequantized":
         if prefill.serves(call.mask, call.window, call.queries.shape[0]):
             return prefill.dequantized_attention(call, fresh)
@@ -146,9 +147,37 @@ def attend(call: PagedAttentionCall, *, impl: str | None = None, partition_token
         return partitioned_attention(call, partition_tokens=partition_tokens)
     if chosen == "quantized":
         return quantized_attention.quantized_attention(call, partition_tokens=partition_tokens)
-    if chosen == "metal":
-        return metal.launch(plan_launch(call, tuning))
-    return cuda.launch(plan_launch(call, tuning, kernel=cuda_kernel_for(call, tuning)))
+    launch = metal.launch if chosen == "metal" else cuda.launch
+    return launch(with_call_inputs(plan, call))
+
+
+_ROUTES: dict[tuple, tuple[str, LaunchPlan | None]] = {}
+
+
+def _route(call: PagedAttentionCall, impl: str | None, tuning: DirectTuning) -> tuple[str, LaunchPlan | None]:
+    """(the implementation select_impl picks for the call, and for "cuda" / "metal" the
+    kernels' cached launch plan), cached by the call's signature, the implementation asked
+    for, the tuning and which GPU backend is available now: every layer of a decode step
+    after the first takes one dictionary lookup for all of it. impl None reads
+    $KVSTORE_ATTENTION_IMPL first (default_impl), on every call."""
+    impl = impl or default_impl()
+    signature = call.signature
+    key = (signature, impl, tuning, cuda_available(), metal_available())
+    route = _ROUTES.get(key) if signature is not None else None
+    if route is None:
+        chosen = select_impl(impl, call.num_queries, call.mask, call.layout, call.k_head_dim,
+                             call.v_head_dim, tuning=tuning)
+        plan = None
+        if chosen == "cuda":
+            plan = cached_plan(call, tuning, kernel=cuda_kernel_for(call, tuning))
+        elif chosen == "metal":
+            plan = cached_plan(call, tuning)
+        route = (chosen, plan)
+        if signature is not None:
+            if len(_ROUTES) >= 256:
+                _ROUTES.clear()
+            _ROUTES[key] = route
+    return route
 
 
 def workspace_nbytes(

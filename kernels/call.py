@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import mlx.core as mx
 
@@ -43,6 +44,22 @@ class PagedAttentionCall:
             raise ValueError(f"unknown mask {self.mask!r} (expected None, 'causal' or an array)")
         if self.window is not None and self.window <= 0:
             raise ValueError(f"window must be positive, got {self.window}")
+
+    @cached_property
+    def signature(self) -> tuple | None:
+        """Everything about the call but its arrays' contents: shapes, dtypes, lengths and
+        options; equal for every layer of one decode step. What dispatch and launch plans are
+        cached by (kernels/attention.py, kernels/direct.py). None for an array mask, whose
+        contents decide the result (such calls are not cached)."""
+        if self.array_mask:
+            return None
+        planes = self.planes
+        return (
+            self.queries.shape, self.queries.dtype,
+            tuple([(planes[n].shape, planes[n].dtype) for n in self.layout.plane_names]),
+            self.block_tables.shape, self.context_lens, self.layout, self.scale, self.mask,
+            self.window, self.sinks is not None,
+        )
 
     @property
     def num_queries(self) -> int:

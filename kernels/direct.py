@@ -129,25 +129,33 @@ def native_slot_nbytes(head_dim: int) -> int:
 
 def plan_launch(call: PagedAttentionCall, tuning: DirectTuning, kernel: str = "lane") -> LaunchPlan:
     """The launch of one call on `kernel` ("lane", "mma" or "mma_native"), which
-    kernels/attention.py picks (cuda_kernel_for). Everything but the input arrays is cached by
-    shape, dtype, lengths, options and tuning: every layer of a decode step shares one plan, so
-    the Python work per layer is a dictionary lookup, a shallow copy and the kernel calls."""
-    plane_arrays = [call.planes[name] for name in call.layout.plane_names]
-    key = (
-        tuple(call.queries.shape), call.queries.dtype,
-        tuple((tuple(p.shape), p.dtype) for p in plane_arrays), tuple(call.block_tables.shape),
-        call.context_lens, call.layout, call.scale, call.mask, call.window,
-        call.sinks is not None, tuning, kernel,
-    )
+    kernels/attention.py picks (cuda_kernel_for): cached_plan's plan with the call's arrays."""
+    return with_call_inputs(cached_plan(call, tuning, kernel), call)
+
+
+def cached_plan(call: PagedAttentionCall, tuning: DirectTuning, kernel: str = "lane") -> LaunchPlan:
+    """The launch of a call on `kernel` without its arrays: everything is cached by the call's
+    signature (shapes, dtypes, lengths, options), the tuning and the kernel, so every layer
+    of a decode step shares one plan and only the first layer of a step builds it."""
+    key = (call.signature, tuning, kernel)
     cached = _PLANS.get(key)
     if cached is None:
         if len(_PLANS) >= 256:
             _PLANS.clear()
         build = {"mma": _build_mma_plan, "mma_native": _build_native_mma_plan}.get(kernel, _build_plan)
-        cached = _PLANS[key] = build(call, tuning)
+        cached = build(call, tuning)
+        if call.signature is not None:
+            _PLANS[key] = cached
+    return cached
+
+
+def with_call_inputs(plan: LaunchPlan, call: PagedAttentionCall) -> LaunchPlan:
+    """A cached plan with one call's arrays (a shallow copy; the plan itself is shared)."""
     signs = rotation_signs(call.k_head_dim, call.layout.rotation_seed)
-    return cached.with_inputs(
-        [call.queries, signs, *plane_arrays, _as(call.block_tables, mx.int32), cached.meta],
+    planes = call.planes
+    return plan.with_inputs(
+        [call.queries, signs, *(planes[name] for name in call.layout.plane_names),
+         _as(call.block_tables, mx.int32), plan.meta],
         _as(call.sinks, mx.float32) if call.sinks is not None else _no_sinks(),
     )
 

@@ -158,3 +158,52 @@ def test_cuda_launch_finds_its_kernels_once_per_plan(monkeypatch):
     for cached in (cuda._split_kernel, cuda.merge_kernel, cuda.cuda_mma.split_kernel,
                    cuda.cuda_mma.native_split_kernel):
         cached.cache_clear()
+
+
+def test_layers_of_one_step_share_one_route_and_plan(monkeypatch):
+    """kernels/attention.py picks the kernel and plans the launch once per call signature:
+    the next layer of a decode step (the same shapes, lengths and options, its own arrays)
+    takes the cached plan with its own arrays, and anything that changes the launch (the
+    lengths, the tuning) gets a plan of its own."""
+    launched = []
+    monkeypatch.setattr(attention, "cuda_available", lambda: True)
+    monkeypatch.setattr(attention.cuda, "launch", lambda plan: launched.append(plan) or plan.output_shape)
+    picks = []
+    select = attention.select_impl
+    monkeypatch.setattr(attention, "select_impl", lambda *a, **k: picks.append(a) or select(*a, **k))
+
+    def layer(seed, context=300, tuning=None):
+        tuning = tuning or DirectTuning(mma_warps=5)
+        case = make_case("k4v4", head_dim=128, n_kv_heads=2, gqa=4, block_size=16,
+                         context_lens=[context], num_queries=1, seed=seed)
+        paged_attention(case.queries, case.planes, case.block_tables, case.context_lens, case.layout,
+                        scale=0.1, impl="cuda", tuning=tuning)
+        return case
+
+    layer(1)
+    second = layer(2)
+    assert len(picks) == 1  # the second layer was routed by the first one's decision
+    a, b = launched
+    assert a.split_template is b.split_template and a.kernels is b.kernels  # one shared plan
+    assert b.split_inputs[0] is not a.split_inputs[0]
+    assert b.split_inputs[0].shape == second.queries.shape
+    assert all(x is y for x, y in zip(b.split_inputs[2:8], (second.planes[n] for n in second.layout.plane_names),
+                                      strict=True))
+    layer(3, context=301)  # the next step: new lengths, a new plan
+    layer(4, tuning=DirectTuning(mma_warps=4))
+    assert len(picks) == 3 and launched[2].meta is not a.meta
+    assert dict(launched[3].split_template)["NUM_WARPS"] == 4 != dict(a.split_template)["NUM_WARPS"]
+
+
+def test_a_cached_route_still_needs_its_backend(monkeypatch):
+    """A route cached while CUDA was there is not served once it is gone: availability is
+    part of the route's key."""
+    monkeypatch.setattr(attention, "cuda_available", lambda: True)
+    monkeypatch.setattr(attention.cuda, "launch", lambda plan: plan.output_shape)
+    case = make_case("k4v4", head_dim=128, n_kv_heads=2, gqa=4, block_size=16, context_lens=[300],
+                     num_queries=1, seed=5)
+    args = (case.queries, case.planes, case.block_tables, case.context_lens, case.layout)
+    assert paged_attention(*args, scale=0.1, impl="cuda") == (1, 8, 1, 128)
+    monkeypatch.setattr(attention, "cuda_available", lambda: False)
+    with pytest.raises(attention.BackendUnavailable):
+        paged_attention(*args, scale=0.1, impl="cuda")
