@@ -17,7 +17,8 @@ install of that module is gone. `installed(model)` is the context-manager form.
 Which implementation attends is the cache's `attention_impl`: "reference" (gather,
 dequantize, mx.fast.scaled_dot_product_attention: the numerical control, bit-exact with
 mlx-lm's KVCache for native pages), "partitioned", "cuda", "metal", or None for the
-kernels' own dispatch. $KVSTORE_ATTENTION_IMPL overrides None inside kernels/.
+kernels' own dispatch, as resolved when the cache was made (`cache.default_impl`:
+$KVSTORE_ATTENTION_IMPL, else the device's kernel), with the cache's `tuning`.
 
 GATHERED ("gathered") is not a kernel: the router passes such a cache through to the
 model's own attention, which gets the decoded history from update_and_fetch. Models
@@ -73,7 +74,8 @@ def attend(cache: PagedKVCache, queries, *, scale: float, mask=None, sinks=None)
         kernel, _checking.calls = _kernel_attention, _checking.calls + 1
     return kernel(queries, cache.pool.planes, cache.block_table(), [cache.offset],
                   cache.spec.layout, scale=scale, mask=mask, sinks=sinks,
-                  impl=cache.attention_impl, fresh=cache.take_fresh_tokens(queries.shape[2]))
+                  impl=cache.attention_impl or cache.default_impl, tuning=cache.tuning,
+                  fresh=cache.take_fresh_tokens(queries.shape[2]))
 
 
 def _router(original):

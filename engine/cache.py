@@ -40,6 +40,8 @@ from engine.formats import (
 )
 from engine.pagecopy import DeferredCopies, PageCopies, direct_writes, page_regions
 from engine.pool import BlockPool
+from kernels.attention import default_impl
+from kernels.tuning import DirectTuning, environment_tuning
 
 # Modules whose scaled_dot_product_attention is the engine's router right now, with
 # their install counts. engine/attention.py keeps it; caches only read it.
@@ -67,10 +69,16 @@ def _release(pool: BlockPool, blocks: list[int]) -> None:
 
 
 class PagedKVCache:
-    def __init__(self, pool: BlockPool, *, attention_impl: str | None = None):
+    def __init__(self, pool: BlockPool, *, attention_impl: str | None = None,
+                 tuning: DirectTuning | None = None):
         self.pool = pool
         self.spec: PageSpec = pool.spec
         self.attention_impl = attention_impl  # passed to kernels.attention.paged_attention
+        # What attention_impl None and tuning None mean, resolved once here rather than on
+        # every layer's call (reading the environment cost ~5 us per layer and step:
+        # $KVSTORE_ATTENTION_IMPL and the tuning overrides are read when the cache is made)
+        self.default_impl = default_impl()
+        self.tuning = tuning or environment_tuning()
         self.routed_by: tuple[str, ...] = ()  # model modules whose router attends for us
         self.offset = 0
         self.dtype: mx.Dtype | None = None  # the model's K/V dtype, seen at the first write
@@ -222,7 +230,8 @@ class PagedKVCache:
 
     def clone(self) -> "PagedKVCache":
         """A cache sharing every block with this one (copy-on-write on either side)."""
-        other = type(self)(self.pool, attention_impl=self.attention_impl)
+        other = type(self)(self.pool, attention_impl=self.attention_impl, tuning=self.tuning)
+        other.default_impl = self.default_impl
         other.routed_by = self.routed_by
         self.pool.incref(self._blocks)
         other._blocks.extend(self._blocks)

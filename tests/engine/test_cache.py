@@ -303,6 +303,33 @@ def test_default_attention_path_is_chosen_per_device(monkeypatch, device, native
     assert models.default_attention_impl(packed) is None
 
 
+def test_the_dispatch_and_tuning_are_resolved_when_the_cache_is_made(monkeypatch):
+    """A cache reads $KVSTORE_ATTENTION_IMPL and the tuning overrides once, when it is made,
+    and its attention passes them to the kernels on every call (reading the environment per
+    layer and step cost ~5 us on the H200's host); an attention_impl set on the cache wins."""
+    from engine import attention
+    from kernels.attention import IMPL_ENV
+    from kernels.tuning import TUNING_ENV, DirectTuning
+
+    spec = PageSpec(FORMATS["k4v4"], 2, 64, 64, 16, 64, 3)
+    monkeypatch.setenv(IMPL_ENV, "partitioned")
+    monkeypatch.setenv(TUNING_ENV, "1,8,66")
+    cache = PagedKVCache(BlockPool(spec, 2))
+    monkeypatch.delenv(IMPL_ENV)
+    monkeypatch.delenv(TUNING_ENV)
+    assert cache.default_impl == "partitioned" and cache.tuning == DirectTuning(unroll=1, num_warps=8, target_blocks=66)
+    assert cache.clone().default_impl == "partitioned" and cache.clone().tuning is cache.tuning
+    seen = []
+    monkeypatch.setattr(attention, "paged_attention", lambda *a, **k: seen.append((k["impl"], k["tuning"])))
+    keys = mx.zeros((1, 2, 1, 64), dtype=mx.bfloat16)
+    cache.update_and_fetch(keys, keys)
+    attention.attend(cache, mx.zeros((1, 4, 1, 64), dtype=mx.bfloat16), scale=0.125)
+    cache.attention_impl = "reference"
+    attention.attend(cache, mx.zeros((1, 4, 1, 64), dtype=mx.bfloat16), scale=0.125)
+    assert seen == [("partitioned", cache.tuning), ("reference", cache.tuning)]
+    assert PagedKVCache(BlockPool(spec, 2)).default_impl != "partitioned"  # made after the change
+
+
 @pytest.mark.parametrize("name", ["native-bf16", "k4v4"])
 def test_chunked_writes_equal_token_by_token_writes(name):
     """Chunks that start mid-block, span whole blocks and end mid-block (written as a head,

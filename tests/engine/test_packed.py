@@ -136,7 +136,8 @@ def test_packed_generation_through_a_model(name, paged_calls):
         for token in prompt_tokens(8, seed=9):
             a2 = model(token[None, None], cache=native)[0].astype(mx.float32)
             b2 = model(token[None, None], cache=packed)[0].astype(mx.float32)
-    assert paged_calls and None in paged_calls
+    # the packed layers attended through the kernels' dispatch, as the cache resolved it
+    assert paged_calls and packed[0].default_impl in paged_calls
     limit = {"k8v8": 0.05, "k4v4": 0.5}[name]
     assert relative(b, a) < limit and relative(b2, a2) < limit
     assert packed[0].nbytes < native[0].nbytes
