@@ -63,7 +63,12 @@ def test_trim_across_block_boundary_then_regrowth(paged_calls):
     prompt = prompt_tokens(3 * BLOCK + 5, seed=2)
     regrow = prompt_tokens(2 * BLOCK + 3, seed=3)
     pools = make_pools(model, POLICY, num_blocks=8)
-    ref, paged = make_prompt_cache(model), make_cache(model, POLICY, pools=pools)
+    # tolerance 0 against KVCache: on a GPU the default native path is the direct kernel,
+    # which agrees within tests/kernels' tolerances only (this test failed there on the
+    # H200's single-token steps), so there it names the bit-exact reference, as
+    # test_native_generation_is_bit_exact does
+    impl = "auto" if mx.default_device() == mx.cpu else "reference"
+    ref, paged = make_prompt_cache(model), make_cache(model, POLICY, pools=pools, attention_impl=impl)
     with engine.installed(model):
         a, b = logits_of(model, ref, prompt), logits_of(model, paged, prompt)
         assert mx.array_equal(a, b).item()
