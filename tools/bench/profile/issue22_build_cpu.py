@@ -35,13 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
-from mlx_lm.models.cache import KVCache  # noqa: E402
 
 import engine.models as engine_models  # noqa: E402
 import kernels.attention as kernel_attention  # noqa: E402
 import kernels.prefill as kernel_prefill  # noqa: E402
 import kernels.quantize as kernel_quantize  # noqa: E402
-from engine import KVPolicy, installed, make_cache  # noqa: E402
+from engine import installed  # noqa: E402
+from tools.bench import engine as bench_engine  # noqa: E402
 
 
 class _StandInKernel:
@@ -76,12 +76,9 @@ def build_model() -> llama.Model:
 
 
 def arms(model) -> dict:
-    layers = len(model.layers)
-    out = {"mlx-lm KVCache": lambda: [KVCache() for _ in range(layers)]}
-    for name in ("native", "k4v4"):
-        policy = KVPolicy(default_format=name, block_size_tokens=128)
-        out[f"paged {name}"] = lambda policy=policy: make_cache(model, policy)
-    return out
+    """tools/bench/engine.py's arms this probe compares: KVCache, paged native and k4v4."""
+    every = bench_engine.arms(model, block_size=128)
+    return {name: every[name] for name in ("mlx-lm KVCache", "paged native", "paged k4v4")}
 
 
 def filled(model, factory, context: int):
@@ -107,7 +104,6 @@ def builds(model, cache, steps: int, profiler: cProfile.Profile | None = None) -
         times.append(time.perf_counter() - began)
         mx.eval(logits)
     return times
-
 
 
 def main() -> None:
