@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from kernels import cuda_mma
 from kernels.launch import LaunchPlan, baked, compile_lane_split, compile_merge, run_split_merge
-from kernels.sources import kernel_source
+from kernels.sources import kernel_source, nvrtc_text
 
 # the placeholders of cuda_lane_split.cu per layout kind: the page-data type of
 # cuda_lane.cuh and the plane arguments of its load()
@@ -37,16 +37,16 @@ def split_source(packed: bool) -> str:
 def _split_kernel(packed: bool, template: tuple):
     """The lane-group split kernel for one template, its constants baked in (launch.baked)."""
     suffix, prefix = baked(template)
-    return compile_lane_split(mx.fast.cuda_kernel, packed, prefix + split_source(packed),
-                              kernel_source("cuda_lane.cuh"), suffix)
+    return compile_lane_split(mx.fast.cuda_kernel, packed, prefix + nvrtc_text(split_source(packed)),
+                              nvrtc_text(kernel_source("cuda_lane.cuh")), suffix)
 
 
 @lru_cache(maxsize=None)
 def merge_kernel(template: tuple):
     """The merge kernel both CUDA split kernels share, for one template (baked in)."""
     suffix, prefix = baked(template)
-    return compile_merge(mx.fast.cuda_kernel, prefix + kernel_source("cuda_merge.cu"), suffix,
-                         header=kernel_source("cuda_lane.cuh"))
+    return compile_merge(mx.fast.cuda_kernel, prefix + nvrtc_text(kernel_source("cuda_merge.cu")), suffix,
+                         header=nvrtc_text(kernel_source("cuda_lane.cuh")))
 
 
 def launch(plan: LaunchPlan) -> mx.array:

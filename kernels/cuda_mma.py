@@ -16,7 +16,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from kernels.launch import SPLIT_OUTPUTS, baked, split_input_names
-from kernels.sources import kernel_source
+from kernels.sources import kernel_source, nvrtc_text
 
 
 @lru_cache(maxsize=None)
@@ -28,7 +28,7 @@ def split_kernel(shared_memory: int = 0, threads: int = 0, min_blocks: int = 0, 
     __launch_bounds__(threads, min_blocks); MLX writes the `__global__ void` line itself, so
     the header redefines __global__ for it (the last declaration in the source), and the
     kernel's name carries the bounds (MLX caches compiled modules by name and template)."""
-    header = kernel_source("cuda_mma.cuh")
+    header = nvrtc_text(kernel_source("cuda_mma.cuh"))
     suffix, prefix = baked(template) if template else ("", "")
     name = "kvstore_paged_split_mma" + suffix
     if min_blocks:
@@ -39,7 +39,7 @@ def split_kernel(shared_memory: int = 0, threads: int = 0, min_blocks: int = 0, 
         name=name,
         input_names=split_input_names(packed=True),
         output_names=SPLIT_OUTPUTS,
-        source=prefix + kernel_source("cuda_mma_split.cu"),
+        source=prefix + nvrtc_text(kernel_source("cuda_mma_split.cu")),
         header=header,
         shared_memory=shared_memory,
     )
@@ -55,7 +55,7 @@ def native_split_kernel(shared_memory: int, template: tuple = ()):
         name="kvstore_paged_split_mma_native" + suffix,
         input_names=split_input_names(packed=False),
         output_names=SPLIT_OUTPUTS,
-        source=prefix + kernel_source("cuda_mma_native_split.cu"),
-        header=kernel_source("cuda_mma.cuh"),
+        source=prefix + nvrtc_text(kernel_source("cuda_mma_native_split.cu")),
+        header=nvrtc_text(kernel_source("cuda_mma.cuh")),
         shared_memory=shared_memory,
     )

@@ -43,7 +43,7 @@ from kernels.launch import CUDA_TYPES, baked
 from kernels.layout import PACKED_PLANES
 from kernels.paging import check_shape, clean_block_ids, exact_native, gather_pages
 from kernels.quantize import cuda_available
-from kernels.sources import kernel_source
+from kernels.sources import kernel_source, nvrtc_text
 
 
 def serves(call_mask, window: int | None, batch: int) -> bool:
@@ -129,8 +129,8 @@ def _dequantize_kernel(template: tuple):
         name="kvstore_dequantize_pages" + suffix,
         input_names=["block_ids", "kc", "ks", "ko", "vc", "vs", "vo"],
         output_names=["keys", "values"],
-        source=prefix + kernel_source("dequantize.cu"),
-        header=kernel_source("dequantize.cuh"),
+        source=prefix + nvrtc_text(kernel_source("dequantize.cu")),
+        header=nvrtc_text(kernel_source("dequantize.cuh")),
     )
 
 

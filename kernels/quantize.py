@@ -43,7 +43,7 @@ from kernels.hadamard import rotate, sign_vector
 from kernels.launch import baked
 from kernels.layout import PACKED_PLANES, PageLayout
 from kernels.quant import quantize
-from kernels.sources import kernel_source
+from kernels.sources import kernel_source, nvrtc_text
 
 IMPLEMENTATIONS = ("reference", "compiled", "cuda", "cuda-rotate")
 IMPL_ENV = "KVSTORE_QUANTIZE_IMPL"
@@ -86,8 +86,8 @@ def _cuda_kernel(source_name: str, input_names: tuple, template: tuple):
         name=stem + suffix,
         input_names=list(input_names),
         output_names=list(PACKED_PLANES),
-        source=prefix + kernel_source(source_name),
-        header=kernel_source("quantize.cuh"),
+        source=prefix + nvrtc_text(kernel_source(source_name)),
+        header=nvrtc_text(kernel_source("quantize.cuh")),
     )
 
 

@@ -6,13 +6,15 @@ These run everywhere (no GPU): they check the text MLX would compile, not the co
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import re
+import stat
 import tomllib
 from pathlib import Path
 
 import pytest
 
-from kernels import cuda, metal
+from kernels import cuda, metal, sources
 from kernels.sources import kernel_source, source_sections
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,3 +82,120 @@ def test_lane_split_kernels_share_queries_and_softmax():
         for name in ("cuda lane split, native", "cuda lane split, packed", "metal split, native",
                      "metal split, packed"):
             assert text in compiled_sources()[name], (shared, name)
+
+
+# -- what the CUDA backends hand to mx.fast.cuda_kernel: an #include of a digest-named file --
+
+INCLUDE = re.compile(r'^#include "(/[^"\n]+)"\n', re.MULTILINE)
+
+
+def _resolved(text: str) -> str:
+    """text with nvrtc_text's include lines replaced by their files' text, as NVRTC sees it."""
+    return INCLUDE.sub(lambda match: Path(match.group(1)).read_text(encoding="utf-8"), text)
+
+
+@pytest.fixture
+def kernel_dir(tmp_path, monkeypatch):
+    directory = tmp_path / "kernels"
+    monkeypatch.setenv(sources.KERNEL_DIR_VARIABLE, str(directory))
+    return directory
+
+
+def test_a_long_text_goes_to_mlx_as_one_include_of_a_file_named_by_its_digest(kernel_dir):
+    text = kernel_source("cuda_mma_split.cu")
+    line = sources.nvrtc_text(text)
+    (path,) = INCLUDE.findall(line)
+    assert line == f'#include "{path}"\n'
+    assert Path(path).parent == kernel_dir
+    assert Path(path).read_text(encoding="utf-8") == text
+    assert Path(path).name == hashlib.blake2s(text.encode(), digest_size=16).hexdigest() + ".cuh"
+    assert stat.S_IMODE(kernel_dir.stat().st_mode) == 0o700
+    # another text is another name (so another module in MLX's caches)
+    assert sources.nvrtc_text(text + "\n// changed\n") != line
+
+
+def test_a_file_that_no_longer_matches_its_name_is_written_again(kernel_dir):
+    text = kernel_source("cuda_merge.cu")
+    (path,) = INCLUDE.findall(sources.nvrtc_text(text))
+    Path(path).write_text("__global__ void planted() {}\n")
+    assert sources.nvrtc_text(text) == f'#include "{path}"\n'
+    assert Path(path).read_text(encoding="utf-8") == text
+
+
+def test_a_directory_other_users_can_write_is_not_used(tmp_path, monkeypatch, caplog):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv(sources.KERNEL_DIR_VARIABLE, str(shared))
+    text = kernel_source("cuda_merge.cu")
+    with caplog.at_level("WARNING", logger="kernels.sources"):
+        assert sources.nvrtc_text(text) == text
+    assert "other users can write it" in caplog.text
+    assert not list(shared.iterdir())
+
+
+def test_inline_hands_the_whole_text(monkeypatch):
+    monkeypatch.setenv(sources.KERNEL_DIR_VARIABLE, sources.INLINE)
+    text = kernel_source("cuda_merge.cu")
+    assert sources.nvrtc_text(text) is text
+
+
+class _Recorder:
+    """mx.fast.cuda_kernel's stand-in: keeps the keyword arguments of every kernel made."""
+
+    made: list = []
+
+    def __init__(self, **kwargs):
+        self.made.append(kwargs)
+
+
+def _cuda_constructors():
+    from kernels import cuda_mma, prefill, quantize
+    return [cuda._split_kernel, cuda.merge_kernel, cuda_mma.split_kernel, cuda_mma.native_split_kernel,
+            quantize._cuda_kernel, prefill._dequantize_kernel]
+
+
+def test_every_cuda_kernel_gets_short_strings_that_resolve_to_the_whole_kernel(kernel_dir, monkeypatch):
+    """What each call copies and hashes in MLX (its header and source) stays under 1 KiB;
+    with the includes resolved it is the text the kernel had when it was passed whole."""
+    import mlx.core as mx
+
+    from kernels import cuda_mma, prefill, quantize
+    from kernels.launch import baked
+    template = (("D", 128), ("KvT", mx.bfloat16))
+    prefix = baked(template)[1]
+    expected = {  # name stem: (source, header) as they were handed over before
+        "kvstore_paged_split_native": (prefix + cuda.split_source(False), kernel_source("cuda_lane.cuh")),
+        "kvstore_paged_split_packed": (prefix + cuda.split_source(True), kernel_source("cuda_lane.cuh")),
+        "kvstore_paged_merge": (prefix + kernel_source("cuda_merge.cu"), kernel_source("cuda_lane.cuh")),
+        "kvstore_paged_split_mma_native": (prefix + kernel_source("cuda_mma_native_split.cu"),
+                                           kernel_source("cuda_mma.cuh")),
+        "kvstore_paged_split_mma": (prefix + kernel_source("cuda_mma_split.cu"), kernel_source("cuda_mma.cuh")),
+        "kvstore_quantize_write": (prefix + kernel_source("quantize.cu"), kernel_source("quantize.cuh")),
+        "kvstore_quantize_rotate_write": (prefix + kernel_source("quantize_rotate.cu"),
+                                          kernel_source("quantize.cuh")),
+        "kvstore_dequantize_pages": (prefix + kernel_source("dequantize.cu"), kernel_source("dequantize.cuh")),
+    }
+    monkeypatch.setattr(mx.fast, "cuda_kernel", _Recorder)
+    _Recorder.made = []
+    for constructor in _cuda_constructors():
+        constructor.cache_clear()
+    try:
+        cuda._split_kernel(False, template)
+        cuda._split_kernel(True, template)
+        cuda.merge_kernel(template)
+        cuda_mma.native_split_kernel(0, template)
+        cuda_mma.split_kernel(0, 0, 0, template)
+        quantize._cuda_kernel("quantize.cu", ("keys", "values"), template)
+        quantize._cuda_kernel("quantize_rotate.cu", ("keys", "values", "signs"), template)
+        prefill._dequantize_kernel(template)
+    finally:
+        for constructor in _cuda_constructors():  # no stand-in stays cached
+            constructor.cache_clear()
+    made = {kwargs["name"].rsplit("_", 1)[0]: kwargs for kwargs in _Recorder.made}
+    assert sorted(made) == sorted(expected)
+    for stem, (source, header) in expected.items():
+        kwargs = made[stem]
+        assert len(kwargs["source"]) + len(kwargs["header"]) < 1024, stem
+        assert _resolved(kwargs["source"]) == source, stem
+        assert _resolved(kwargs["header"]) == header, stem

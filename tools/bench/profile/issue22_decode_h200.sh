@@ -7,7 +7,9 @@
 #      and with the lane-group kernel (KVSTORE_DIRECT_NATIVE_MMA=0), paged k4v4 with the
 #      default quantize-on-write and with cuda-rotate), each arm with its decode-step build
 #      profile, $REPEATS rounds with the arms taking turns; ratios against KVCache of the same
-#      round. JSON to $OUT/engine_h200_llama8b_decode.json.
+#      round; the "inline sources" arms hand the kernel texts to MLX whole
+#      (KVSTORE_KERNEL_DIR=inline, kernel objects made afresh when that changes between arms).
+#      JSON to $OUT/engine_h200_llama8b_decode.json.
 #   2. KVSTORE_TEST_IMPLS=cuda pytest of $TEST_PATHS (default: the decode kernels' tests and
 #      tests/engine/test_cache.py; $TEST_K: pytest -k), cut at $TEST_LIMIT seconds.
 # $CONTEXTS, $REPEATS, $VARIANTS (arm names joined by ";"), $SIZE and the *_LIMITs narrow a run.
@@ -38,7 +40,24 @@ arms = [
     ("paged native, lane kernel", lambda: make_cache(model, policy("native")), {"KVSTORE_DIRECT_NATIVE_MMA": "0"}),
     ("paged k4v4", lambda: make_cache(model, policy("k4v4")), {}),
     ("paged k4v4, cuda-rotate", lambda: make_cache(model, policy("k4v4")), {"KVSTORE_QUANTIZE_IMPL": "cuda-rotate"}),
+    # the kernel texts handed to MLX whole on every call, as before kernels/sources.nvrtc_text
+    ("paged native, inline sources", lambda: make_cache(model, policy("native")), {"KVSTORE_KERNEL_DIR": "inline"}),
+    ("paged k4v4, inline sources", lambda: make_cache(model, policy("k4v4")), {"KVSTORE_KERNEL_DIR": "inline"}),
 ]
+
+
+def fresh_kernels():
+    """Forget the kernel objects, plans and routes made so far, so that the next arm makes its
+    own under its environment ($KVSTORE_KERNEL_DIR is read when a kernel object is made)."""
+    from kernels import attention, cuda, cuda_mma, direct, prefill, quantize
+    attention._ROUTES.clear()
+    direct._PLANS.clear()
+    for made in (cuda._split_kernel, cuda.merge_kernel, cuda_mma.split_kernel, cuda_mma.native_split_kernel,
+                 quantize._cuda_kernel, quantize._cuda_launch, prefill._dequantize_kernel):
+        made.cache_clear()
+
+
+kernel_dir = None
 if variants != "all":
     arms = [a for a in arms if a[0] in variants.split(";") or a[0] == "mlx-lm KVCache"]
 report = {"size": size, "params": params, "decode": 16, "prefill_step": 2048, "block_size": 128,
@@ -49,6 +68,9 @@ with installed(model):
         rounds = {name: [] for name, _, _ in arms}
         for repeat in range(repeats):
             for name, factory, env in arms:
+                if env.get("KVSTORE_KERNEL_DIR") != kernel_dir:
+                    fresh_kernels()
+                    kernel_dir = env.get("KVSTORE_KERNEL_DIR")
                 saved = {k: os.environ.get(k) for k in env}
                 os.environ.update(env)
                 try:
