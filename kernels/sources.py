@@ -15,6 +15,9 @@ that string again when the node is evaluated (custom_kernel.cpp: build_kernel, a
 module's name in CustomKernel::eval_gpu). For the 24-43 KB of the paged attention kernels
 that is about 10 us per call on the H200 host, two calls per layer and decode step; NVRTC
 reads the included file from the file system only when it compiles the module.
+MLX passes an input's shape, strides or ndim only where its source string names
+`<input>_shape`, `_strides` or `_ndim` (it searches the string when the kernel is made), so
+the include line is followed by a comment naming every such identifier of the text.
 The file is named by the digest of its text, so a changed kernel is a new name in the source,
 hence a new module in MLX's caches (in memory and on disk), never a stale one; and a file
 whose bytes no longer match its name is written again before it is named.
@@ -120,7 +123,8 @@ def _usable_dir(path: str) -> Path | None:
 
 
 def nvrtc_text(text: str) -> str:
-    """`#include "<dir>/<digest>.cuh"` for a file holding `text` (written here when absent
+    """`#include "<dir>/<digest>.cuh"` (and a comment naming the text's `x_shape`,
+    `x_strides` and `x_ndim` identifiers) for a file holding `text` (written here when absent
     or not byte-equal to it), or `text` itself when there is no usable directory (kernel_dir)
     or the file cannot be written. The include goes where the text would have gone: in a
     header or inside a kernel body alike, since the preprocessor pastes it there."""
@@ -142,7 +146,12 @@ def nvrtc_text(text: str) -> str:
     except OSError as exc:
         log.warning("kernel source %s could not be written (%s): handed to MLX inline", path, exc)
         return text
-    return f'#include "{path}"\n'
+    named = sorted(set(_SHAPE_ARGUMENT.findall(text)))
+    return f'#include "{path}"\n' + (f"// names for MLX: {' '.join(named)}\n" if named else "")
+
+
+# what MLX's cuda_kernel looks for in a source to pass an input's shape, strides or ndim
+_SHAPE_ARGUMENT = re.compile(r"\b\w+_(?:shape|strides|ndim)\b")
 
 
 def _holds(path: Path, data: bytes) -> bool:

@@ -86,12 +86,19 @@ def test_lane_split_kernels_share_queries_and_softmax():
 
 # -- what the CUDA backends hand to mx.fast.cuda_kernel: an #include of a digest-named file --
 
-INCLUDE = re.compile(r'^#include "(/[^"\n]+)"\n', re.MULTILINE)
+INCLUDE = re.compile(r'^#include "(/[^"\n]+)"\n(// names for MLX: [\w ]+\n)?', re.MULTILINE)
 
 
 def _resolved(text: str) -> str:
-    """text with nvrtc_text's include lines replaced by their files' text, as NVRTC sees it."""
+    """text with nvrtc_text's include lines (and the comment after them) replaced by their
+    files' text, as NVRTC sees it."""
     return INCLUDE.sub(lambda match: Path(match.group(1)).read_text(encoding="utf-8"), text)
+
+
+def _mlx_arguments(source: str, input_names) -> list:
+    """What mx.fast.cuda_kernel adds to the kernel's signature per input: shape, strides, ndim
+    where the source string names them (custom_kernel.cpp searches it when the kernel is made)."""
+    return [tuple(f"{name}_{what}" in source for what in ("shape", "strides", "ndim")) for name in input_names]
 
 
 @pytest.fixture
@@ -104,8 +111,8 @@ def kernel_dir(tmp_path, monkeypatch):
 def test_a_long_text_goes_to_mlx_as_one_include_of_a_file_named_by_its_digest(kernel_dir):
     text = kernel_source("cuda_mma_split.cu")
     line = sources.nvrtc_text(text)
-    (path,) = INCLUDE.findall(line)
-    assert line == f'#include "{path}"\n'
+    ((path, _),) = INCLUDE.findall(line)
+    assert line.startswith(f'#include "{path}"\n')
     assert Path(path).parent == kernel_dir
     assert Path(path).read_text(encoding="utf-8") == text
     assert Path(path).name == hashlib.blake2s(text.encode(), digest_size=16).hexdigest() + ".cuh"
@@ -116,9 +123,10 @@ def test_a_long_text_goes_to_mlx_as_one_include_of_a_file_named_by_its_digest(ke
 
 def test_a_file_that_no_longer_matches_its_name_is_written_again(kernel_dir):
     text = kernel_source("cuda_merge.cu")
-    (path,) = INCLUDE.findall(sources.nvrtc_text(text))
+    line = sources.nvrtc_text(text)
+    ((path, _),) = INCLUDE.findall(line)
     Path(path).write_text("__global__ void planted() {}\n")
-    assert sources.nvrtc_text(text) == f'#include "{path}"\n'
+    assert sources.nvrtc_text(text) == line
     assert Path(path).read_text(encoding="utf-8") == text
 
 
@@ -157,7 +165,9 @@ def _cuda_constructors():
 
 def test_every_cuda_kernel_gets_short_strings_that_resolve_to_the_whole_kernel(kernel_dir, monkeypatch):
     """What each call copies and hashes in MLX (its header and source) stays under 1 KiB;
-    with the includes resolved it is the text the kernel had when it was passed whole."""
+    with the includes resolved it is the text the kernel had when it was passed whole, and
+    MLX gives the kernel the same arguments (the shapes its text uses: on the H200 a first
+    version failed to compile, "identifier kc_shape is undefined")."""
     import mlx.core as mx
 
     from kernels import cuda_mma, prefill, quantize
@@ -199,3 +209,7 @@ def test_every_cuda_kernel_gets_short_strings_that_resolve_to_the_whole_kernel(k
         assert len(kwargs["source"]) + len(kwargs["header"]) < 1024, stem
         assert _resolved(kwargs["source"]) == source, stem
         assert _resolved(kwargs["header"]) == header, stem
+        names = kwargs["input_names"]
+        assert _mlx_arguments(kwargs["source"], names) == _mlx_arguments(source, names), stem
+    assert any(any(map(any, _mlx_arguments(source, made[stem]["input_names"])))
+               for stem, (source, _) in expected.items()), "no kernel uses a shape: the check checks nothing"
