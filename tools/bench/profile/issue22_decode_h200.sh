@@ -67,7 +67,8 @@ with installed(model):
         prompt = mx.random.randint(0, bench.SIZES[size]["vocab_size"], (context,), dtype=mx.int32)
         rounds = {name: [] for name, _, _ in arms}
         for repeat in range(repeats):
-            for name, factory, env in arms:
+            # KVCache first; the other arms in reverse order every other round
+            for name, factory, env in (arms if repeat % 2 == 0 else arms[:1] + arms[:0:-1]):
                 if env.get("KVSTORE_KERNEL_DIR") != kernel_dir:
                     fresh_kernels()
                     kernel_dir = env.get("KVSTORE_KERNEL_DIR")
