@@ -12,9 +12,10 @@ nvrtc_text(text) is what the CUDA backends hand to mx.fast.cuda_kernel in place 
 text: one `#include "<dir>/<digest>.cuh"` line naming a file that holds it. MLX 0.32's CUDA
 custom kernel copies its whole header and source into a new string on every call and hashes
 that string again when the node is evaluated (custom_kernel.cpp: build_kernel, and the JIT
-module's name in CustomKernel::eval_gpu). For the 24-43 KB of the paged attention kernels
-that is about 10 us per call on the H200 host, two calls per layer and decode step; NVRTC
-reads the included file from the file system only when it compiles the module.
+module's name in CustomKernel::eval_gpu). On the H200 host that costs about 10 us per call
+for 40 KB and 3 us for 13 KB (tools/bench/profile/issue22_source_size_h200.py); the paged
+attention kernels' texts are 13-43 KB, two calls per layer and decode step. NVRTC reads the
+included file from the file system only when it compiles the module.
 MLX passes an input's shape, strides or ndim only where its source string names
 `<input>_shape`, `_strides` or `_ndim` (it searches the string when the kernel is made), so
 the include line is followed by a comment naming every such identifier of the text.
