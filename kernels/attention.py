@@ -30,7 +30,7 @@ import os
 
 import mlx.core as mx
 
-from kernels import cuda, metal, prefill, quantized_attention
+from kernels import cuda, cuda_mma, direct, metal, prefill, quantize, quantized_attention
 from kernels.call import PagedAttentionCall
 from kernels.direct import (
     ROWS_PER_BLOCK,
@@ -178,6 +178,19 @@ def _route(call: PagedAttentionCall, impl: str | None, tuning: DirectTuning) -> 
                 _ROUTES.clear()
             _ROUTES[key] = route
     return route
+
+
+def forget_compiled_kernels() -> None:
+    """Drop every route, launch plan and CUDA kernel object made so far; the next calls make
+    them again, reading the sources and $KVSTORE_KERNEL_DIR anew (kernels/sources.py). For
+    benchmarks that compare settings read when a kernel object is made, and for tests that
+    make kernel objects through a stand-in of mx.fast.cuda_kernel."""
+    _ROUTES.clear()
+    direct.forget_plans()
+    for made in (cuda._split_kernel, cuda.merge_kernel, cuda_mma.split_kernel,
+                 cuda_mma.native_split_kernel, quantize._cuda_kernel, quantize._cuda_launch,
+                 prefill._dequantize_kernel):
+        made.cache_clear()
 
 
 def workspace_nbytes(

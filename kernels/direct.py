@@ -149,6 +149,11 @@ def cached_plan(call: PagedAttentionCall, tuning: DirectTuning, kernel: str = "l
     return cached
 
 
+def forget_plans() -> None:
+    """Drop the cached plans (and with them the kernel objects they found)."""
+    _PLANS.clear()
+
+
 def with_call_inputs(plan: LaunchPlan, call: PagedAttentionCall) -> LaunchPlan:
     """A cached plan with one call's arrays (a shallow copy; the plan itself is shared)."""
     signs = rotation_signs(call.k_head_dim, call.layout.rotation_seed)

@@ -157,12 +157,6 @@ class _Recorder:
         self.made.append(kwargs)
 
 
-def _cuda_constructors():
-    from kernels import cuda_mma, prefill, quantize
-    return [cuda._split_kernel, cuda.merge_kernel, cuda_mma.split_kernel, cuda_mma.native_split_kernel,
-            quantize._cuda_kernel, prefill._dequantize_kernel]
-
-
 def test_every_cuda_kernel_gets_short_strings_that_resolve_to_the_whole_kernel(kernel_dir, monkeypatch):
     """What each call copies and hashes in MLX (its header and source) stays under 1 KiB;
     with the includes resolved it is the text the kernel had when it was passed whole, and
@@ -171,6 +165,7 @@ def test_every_cuda_kernel_gets_short_strings_that_resolve_to_the_whole_kernel(k
     import mlx.core as mx
 
     from kernels import cuda_mma, prefill, quantize
+    from kernels.attention import forget_compiled_kernels
     from kernels.launch import baked
     template = (("D", 128), ("KvT", mx.bfloat16))
     prefix = baked(template)[1]
@@ -188,8 +183,7 @@ def test_every_cuda_kernel_gets_short_strings_that_resolve_to_the_whole_kernel(k
     }
     monkeypatch.setattr(mx.fast, "cuda_kernel", _Recorder)
     _Recorder.made = []
-    for constructor in _cuda_constructors():
-        constructor.cache_clear()
+    forget_compiled_kernels()
     try:
         cuda._split_kernel(False, template)
         cuda._split_kernel(True, template)
@@ -200,8 +194,7 @@ def test_every_cuda_kernel_gets_short_strings_that_resolve_to_the_whole_kernel(k
         quantize._cuda_kernel("quantize_rotate.cu", ("keys", "values", "signs"), template)
         prefill._dequantize_kernel(template)
     finally:
-        for constructor in _cuda_constructors():  # no stand-in stays cached
-            constructor.cache_clear()
+        forget_compiled_kernels()  # no stand-in stays cached
     made = {kwargs["name"].rsplit("_", 1)[0]: kwargs for kwargs in _Recorder.made}
     assert sorted(made) == sorted(expected)
     for stem, (source, header) in expected.items():

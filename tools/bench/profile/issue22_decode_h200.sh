@@ -23,6 +23,7 @@ timeout "${BENCH_LIMIT:-300}" python3 - "$OUT" "${CONTEXTS:-8192,32768}" "${REPE
 import json, os, statistics, sys, time
 import mlx.core as mx
 from engine import KVPolicy, installed, make_cache
+from kernels.attention import forget_compiled_kernels
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from tools.bench import engine as bench
 
@@ -46,18 +47,7 @@ arms = [
 ]
 
 
-def fresh_kernels():
-    """Forget the kernel objects, plans and routes made so far, so that the next arm makes its
-    own under its environment ($KVSTORE_KERNEL_DIR is read when a kernel object is made)."""
-    from kernels import attention, cuda, cuda_mma, direct, prefill, quantize
-    attention._ROUTES.clear()
-    direct._PLANS.clear()
-    for made in (cuda._split_kernel, cuda.merge_kernel, cuda_mma.split_kernel, cuda_mma.native_split_kernel,
-                 quantize._cuda_kernel, quantize._cuda_launch, prefill._dequantize_kernel):
-        made.cache_clear()
-
-
-kernel_dir = None
+kernel_dir = None  # the arms' $KVSTORE_KERNEL_DIR, read when a kernel object is made
 if variants != "all":
     arms = [a for a in arms if a[0] in variants.split(";") or a[0] == "mlx-lm KVCache"]
 report = {"size": size, "params": params, "decode": 16, "prefill_step": 2048, "block_size": 128,
@@ -70,7 +60,7 @@ with installed(model):
             # KVCache first; the other arms in reverse order every other round
             for name, factory, env in (arms if repeat % 2 == 0 else arms[:1] + arms[:0:-1]):
                 if env.get("KVSTORE_KERNEL_DIR") != kernel_dir:
-                    fresh_kernels()
+                    forget_compiled_kernels()  # the next arm makes its own under its environment
                     kernel_dir = env.get("KVSTORE_KERNEL_DIR")
                 saved = {k: os.environ.get(k) for k in env}
                 os.environ.update(env)
