@@ -31,9 +31,10 @@ import os
 import mlx.core as mx
 
 from kernels import cuda, cuda_mma, direct, metal, prefill, quantize, quantized_attention
-from kernels.call import PagedAttentionCall
+from kernels.call import PagedAttentionCall, call_signature
 from kernels.direct import (
     ROWS_PER_BLOCK,
+    bind,
     cached_plan,
     cuda_kernel_for,
     kernel_supports,
@@ -122,7 +123,22 @@ def paged_attention(
 ) -> mx.array:
     """Attention of L new queries over paged (native or packed) K/V history: the arguments
     are PagedAttentionCall's (kernels/call.py has their shapes); returns [B, Hq, L, Dv] in
-    queries.dtype. impl, partition_tokens, tuning and fresh as attend()'s."""
+    queries.dtype. impl, partition_tokens, tuning and fresh as attend()'s.
+
+    A call whose signature (kernels.call.call_signature) has a route to a direct kernel
+    already, as every layer of a decode step after the first has, is launched from its
+    arrays as given, without a call object (the route's plan was checked for that signature
+    when it was made): this is the path a decode step's layers take, and its Python is what
+    a step costs beyond the model's own (issue 22)."""
+    tuning = tuning or environment_tuning()
+    impl = impl or default_impl()
+    signature = call_signature(queries, planes, block_tables, context_lens, layout, scale, mask,
+                               window, sinks)
+    if signature is not None:
+        route = _ROUTES.get((signature, impl, tuning, cuda_available(), metal_available()))
+        if route is not None and route[1] is not None:
+            launch = metal.launch if route[0] == "metal" else cuda.launch
+            return launch(bind(route[1], queries, planes, block_tables, sinks))
     call = PagedAttentionCall(queries, planes, block_tables, context_lens, layout, scale=scale,
                               mask=mask, window=window, sinks=sinks)
     return attend(call, impl=impl, partition_tokens=partition_tokens, tuning=tuning, fresh=fresh)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import cached_property
 
 import mlx.core as mx
 
@@ -45,21 +44,15 @@ class PagedAttentionCall:
         if self.window is not None and self.window <= 0:
             raise ValueError(f"window must be positive, got {self.window}")
 
-    @cached_property
+    @property
     def signature(self) -> tuple | None:
-        """Everything about the call but its arrays' contents: shapes, dtypes, lengths and
-        options; equal for every layer of one decode step. What dispatch and launch plans are
-        cached by (kernels/attention.py, kernels/direct.py). None for an array mask, whose
-        contents decide the result (such calls are not cached)."""
-        if self.array_mask:
-            return None
-        planes = self.planes
-        return (
-            self.queries.shape, self.queries.dtype,
-            tuple([(planes[n].shape, planes[n].dtype) for n in self.layout.plane_names]),
-            self.block_tables.shape, self.context_lens, self.layout, self.scale, self.mask,
-            self.window, self.sinks is not None,
-        )
+        """Everything about the call but its arrays' contents (call_signature); computed once."""
+        signature = self.__dict__.get("_signature", _UNSET)
+        if signature is _UNSET:
+            signature = call_signature(self.queries, self.planes, self.block_tables, self.context_lens,
+                                       self.layout, self.scale, self.mask, self.window, self.sinks)
+            object.__setattr__(self, "_signature", signature)
+        return signature
 
     @property
     def num_queries(self) -> int:
@@ -81,3 +74,26 @@ class PagedAttentionCall:
     def array_mask(self) -> bool:
         """True for an array mask, which only the reference applies."""
         return self.mask is not None and not isinstance(self.mask, str)
+
+
+_UNSET = object()
+
+
+def call_signature(queries: mx.array, planes: Mapping[str, mx.array], block_tables: mx.array,
+                   context_lens, layout: PageLayout, scale: float, mask=None, window: int | None = None,
+                   sinks: mx.array | None = None) -> tuple | None:
+    """Everything about a call but its arrays' contents, from PagedAttentionCall's arguments
+    as they are given: shapes, dtypes, lengths and options, equal for every layer of one
+    decode step. What dispatch and launch plans are cached by (kernels/attention.py,
+    kernels/direct.py); kernels.attention.paged_attention reads it without making a call
+    object, so a route it finds costs no more than this. None where nothing may be cached: an
+    array mask, whose contents decide the result, or planes the layout's names are missing
+    from (check_shape then says which)."""
+    if mask is not None and not isinstance(mask, str):
+        return None
+    try:
+        stored = tuple([(planes[name].shape, planes[name].dtype) for name in layout.plane_names])
+    except KeyError:
+        return None
+    return (queries.shape, queries.dtype, stored, block_tables.shape, tuple(map(int, context_lens)),
+            layout, scale, mask, window, sinks is not None)

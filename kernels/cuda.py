@@ -54,7 +54,7 @@ def launch(plan: LaunchPlan) -> mx.array:
     [B, Hq, L, Dv]. The kernels are compiled per template with its constants in their source
     (launch.baked: no template arguments to convert on each call), found once per plan."""
     kernels = plan.kernels
-    if not kernels:
+    if "split" not in kernels:
         split_template = tuple(plan.split_template)
         if plan.kernel == "mma":
             split = cuda_mma.split_kernel(plan.shared_memory, plan.threads if plan.min_blocks else 0,

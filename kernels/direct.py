@@ -156,12 +156,17 @@ def forget_plans() -> None:
 
 def with_call_inputs(plan: LaunchPlan, call: PagedAttentionCall) -> LaunchPlan:
     """A cached plan with one call's arrays (a shallow copy; the plan itself is shared)."""
-    signs = rotation_signs(call.k_head_dim, call.layout.rotation_seed)
-    planes = call.planes
+    return bind(plan, call.queries, call.planes, call.block_tables, call.sinks)
+
+
+def bind(plan: LaunchPlan, queries: mx.array, planes, block_tables: mx.array,
+         sinks: mx.array | None) -> LaunchPlan:
+    """with_call_inputs from a call's arrays as paged_attention was given them, for the calls
+    it routes without a call object: the plan's signature (call_signature) is theirs."""
     return plan.with_inputs(
-        [call.queries, signs, *(planes[name] for name in call.layout.plane_names),
-         _as(call.block_tables, mx.int32), plan.meta],
-        _as(call.sinks, mx.float32) if call.sinks is not None else _no_sinks(),
+        [queries, plan.signs, *[planes[name] for name in plan.plane_names],
+         block_tables if block_tables.dtype == mx.int32 else block_tables.astype(mx.int32), plan.meta],
+        _no_sinks() if sinks is None else _as(sinks, mx.float32),
     )
 
 
@@ -257,6 +262,8 @@ def _launch_plan(kernel: str, call: PagedAttentionCall, shape: AttentionShape, n
         merge_template=merge_template,
         meta=meta,
         sinks=None,
+        signs=rotation_signs(shape.k_head_dim, call.layout.rotation_seed),
+        plane_names=call.layout.plane_names,
         partial_shape=(shape.batch * shape.n_q_heads * shape.num_queries, num_splits),
         output_shape=(shape.batch, shape.n_q_heads, shape.num_queries, shape.v_head_dim),
         output_dtype=call.queries.dtype,

@@ -82,10 +82,12 @@ class LaunchPlan:
     partial_shape: tuple  # (B * Hq * L, num_splits)
     output_shape: tuple
     output_dtype: mx.Dtype
+    signs: mx.array | None = None  # the split kernels' rotation signs (direct.rotation_signs)
+    plane_names: tuple = ()  # the planes the split kernels read, in their input order
     shared_memory: int = 0  # dynamic shared bytes of the split kernel (0: static only)
     min_blocks: int = 0  # > 0: the split kernel's __launch_bounds__ minimum blocks per SM
-    # the backend's compiled kernels for this plan's templates, found on its first launch
-    # and shared with every per-call copy (with_inputs)
+    # the backend's compiled kernels for this plan's templates, found on its first launch,
+    # and the launches' arguments (run_split_merge), shared with every per-call copy (with_inputs)
     kernels: dict = field(default_factory=dict)
 
     def with_inputs(self, split_inputs: list, sinks: mx.array) -> LaunchPlan:
@@ -103,21 +105,31 @@ def run_split_merge(plan: LaunchPlan, split_kernel, merge_kernel, *, templated: 
     """Split-K partials (output [.., head_dim] and the running max/sum [.., 2], float32),
     then the merge into [B, Hq, L, Dv]. The kernels are the backend's own
     (mx.fast.cuda_kernel or mx.fast.metal_kernel objects); templated False: they were
-    compiled with the plan's templates baked in (baked()), and get none."""
-    part_o, part_ml = split_kernel(
-        inputs=plan.split_inputs,
+    compiled with the plan's templates baked in (baked()), and get none. The launches'
+    other arguments are made once per plan (launch_arguments) and shared by its copies."""
+    arguments = plan.kernels.get(templated)
+    if arguments is None:
+        arguments = plan.kernels[templated] = launch_arguments(plan, templated)
+    split_arguments, merge_arguments = arguments
+    part_o, part_ml = split_kernel(inputs=plan.split_inputs, **split_arguments)
+    (result,) = merge_kernel(inputs=[part_o, part_ml, plan.sinks, plan.meta], **merge_arguments)
+    return result
+
+
+def launch_arguments(plan: LaunchPlan, templated: bool = True) -> tuple[dict, dict]:
+    """The split and merge kernels' arguments but their inputs, as run_split_merge passes them."""
+    split = dict(
         template=plan.split_template if templated else [],
         grid=(plan.num_splits * plan.threads, plan.grid_y, plan.batch),
         threadgroup=(plan.threads, 1, 1),
         output_shapes=[plan.partial_shape + (plan.head_dim,), plan.partial_shape + (2,)],
         output_dtypes=[mx.float32, mx.float32],
     )
-    (result,) = merge_kernel(
-        inputs=[part_o, part_ml, plan.sinks, plan.meta],
+    merge = dict(
         template=plan.merge_template if templated else [],
         grid=(plan.partial_shape[0] * plan.head_dim, 1, 1),
         threadgroup=(plan.head_dim, 1, 1),
         output_shapes=[plan.output_shape],
         output_dtypes=[plan.output_dtype],
     )
-    return result
+    return split, merge

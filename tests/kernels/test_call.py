@@ -195,6 +195,68 @@ def test_layers_of_one_step_share_one_route_and_plan(monkeypatch):
     assert dict(launched[3].split_template)["NUM_WARPS"] == 4 != dict(a.split_template)["NUM_WARPS"]
 
 
+@pytest.mark.parametrize("layout", ["k4v4", "bf16"])
+def test_a_routed_layer_is_launched_without_a_call_object(monkeypatch, layout):
+    """The layers of a decode step after the first find their route by the arguments'
+    signature and are launched from their own arrays, with no PagedAttentionCall made
+    (issue 22: that object, its signature and the plan copy were most of a layer's Python);
+    the launch gets exactly the inputs the call path gives it."""
+    launched, made = [], []
+    monkeypatch.setattr(attention, "cuda_available", lambda: True)
+    monkeypatch.setattr(attention.cuda, "launch", lambda plan: launched.append(plan) or plan.output_shape)
+    real_call = attention.PagedAttentionCall
+    monkeypatch.setattr(attention, "PagedAttentionCall", lambda *a, **k: made.append(a) or real_call(*a, **k))
+    attention.forget_compiled_kernels()  # no route left from another test
+    tuning = DirectTuning(mma_warps=5)
+    cases = [make_case(layout, head_dim=128, n_kv_heads=2, gqa=4, block_size=16, context_lens=[300],
+                       num_queries=1, seed=seed) for seed in (1, 2)]
+    for case in cases:
+        out = paged_attention(case.queries, case.planes, case.block_tables, case.context_lens,
+                              case.layout, scale=0.1, impl="cuda", tuning=tuning)
+        assert out == (1, 8, 1, 128)
+    assert len(made) == 1  # the first layer only
+    second = cases[1]
+    call = real_call(second.queries, second.planes, second.block_tables, second.context_lens,
+                     second.layout, scale=0.1)
+    expected = direct.with_call_inputs(direct.cached_plan(call, tuning, launched[0].kernel), call)
+    routed = launched[1]
+    assert routed.kernels is launched[0].kernels and routed.split_template is expected.split_template
+    assert len(routed.split_inputs) == len(expected.split_inputs)
+    assert all(x is y for x, y in zip(routed.split_inputs, expected.split_inputs, strict=True))
+    assert routed.sinks is expected.sinks
+
+
+def test_a_routed_layer_with_other_shapes_is_planned_again(monkeypatch):
+    """Anything in the signature that differs from the routed layer's (a pool that grew, a
+    longer block table, another query dtype, a window) makes a call object and a plan of
+    its own: the fast path never launches a plan made for other shapes."""
+    launched = []
+    monkeypatch.setattr(attention, "cuda_available", lambda: True)
+    monkeypatch.setattr(attention.cuda, "launch", lambda plan: launched.append(plan) or plan.output_shape)
+    attention.forget_compiled_kernels()
+    case = make_case("bf16", head_dim=128, n_kv_heads=2, gqa=4, block_size=16, context_lens=[300],
+                     num_queries=1, seed=3)
+    grown = {name: mx.concatenate([plane, plane]) for name, plane in case.planes.items()}
+    wider = mx.concatenate([case.block_tables, case.block_tables], axis=1)
+    variants = [
+        (case.queries, case.planes, case.block_tables, {}),
+        (case.queries, grown, case.block_tables, {}),
+        (case.queries, case.planes, wider, {}),
+        (case.queries.astype(mx.float16), case.planes, case.block_tables, {}),
+        (case.queries, case.planes, case.block_tables, {"window": 64}),
+    ]
+    for queries, planes, tables, options in variants:
+        paged_attention(queries, planes, tables, case.context_lens, case.layout, scale=0.1,
+                        impl="cuda", **options)
+    paged_attention(*variants[0][:3], case.context_lens, case.layout, scale=0.1, impl="cuda")
+    first, grown_plan, wider_plan, f16_plan, windowed, again = launched
+    assert len({id(plan.kernels) for plan in launched[:5]}) == 5  # a plan each
+    assert again.kernels is first.kernels  # the first variant's route, found again
+    assert grown_plan.split_inputs[2] is grown["k"] and wider_plan.split_inputs[-2] is wider
+    assert f16_plan.kernel == "lane" and first.kernel == "mma_native"  # float16 queries, bf16 pages
+    assert dict(windowed.split_template)["WINDOWED"] is True
+
+
 def test_a_cached_route_still_needs_its_backend(monkeypatch):
     """A route cached while CUDA was there is not served once it is gone: availability is
     part of the route's key."""
