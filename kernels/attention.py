@@ -135,7 +135,7 @@ def paged_attention(
     signature = call_signature(queries, planes, block_tables, context_lens, layout, scale, mask,
                                window, sinks)
     if signature is not None:
-        route = _ROUTES.get((signature, impl, tuning, cuda_available(), metal_available()))
+        route = _ROUTES.get(_route_key(signature, impl, tuning))
         if route is not None and route[1] is not None:
             launch = metal.launch if route[0] == "metal" else cuda.launch
             return launch(bind(route[1], queries, planes, block_tables, sinks))
@@ -178,7 +178,7 @@ def _route(call: PagedAttentionCall, impl: str | None, tuning: DirectTuning) -> 
     $KVSTORE_ATTENTION_IMPL first (default_impl), on every call."""
     impl = impl or default_impl()
     signature = call.signature
-    key = (signature, impl, tuning, cuda_available(), metal_available())
+    key = _route_key(signature, impl, tuning)
     route = _ROUTES.get(key) if signature is not None else None
     if route is None:
         chosen = select_impl(impl, call.num_queries, call.mask, call.layout, call.k_head_dim,
@@ -194,6 +194,12 @@ def _route(call: PagedAttentionCall, impl: str | None, tuning: DirectTuning) -> 
                 _ROUTES.clear()
             _ROUTES[key] = route
     return route
+
+
+def _route_key(signature: tuple, impl: str, tuning: DirectTuning) -> tuple:
+    """What _ROUTES is keyed by: a route made while a backend was there is not served once
+    it is gone."""
+    return (signature, impl, tuning, cuda_available(), metal_available())
 
 
 def forget_compiled_kernels() -> None:

@@ -165,7 +165,7 @@ def bind(plan: LaunchPlan, queries: mx.array, planes, block_tables: mx.array,
     it routes without a call object: the plan's signature (call_signature) is theirs."""
     return plan.with_inputs(
         [queries, plan.signs, *[planes[name] for name in plan.plane_names],
-         block_tables if block_tables.dtype == mx.int32 else block_tables.astype(mx.int32), plan.meta],
+         _as(block_tables, mx.int32), plan.meta],
         _no_sinks() if sinks is None else _as(sinks, mx.float32),
     )
 

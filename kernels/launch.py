@@ -107,9 +107,10 @@ def run_split_merge(plan: LaunchPlan, split_kernel, merge_kernel, *, templated: 
     (mx.fast.cuda_kernel or mx.fast.metal_kernel objects); templated False: they were
     compiled with the plan's templates baked in (baked()), and get none. The launches'
     other arguments are made once per plan (launch_arguments) and shared by its copies."""
-    arguments = plan.kernels.get(templated)
+    key = ("arguments", templated)
+    arguments = plan.kernels.get(key)
     if arguments is None:
-        arguments = plan.kernels[templated] = launch_arguments(plan, templated)
+        arguments = plan.kernels[key] = launch_arguments(plan, templated)
     split_arguments, merge_arguments = arguments
     part_o, part_ml = split_kernel(inputs=plan.split_inputs, **split_arguments)
     (result,) = merge_kernel(inputs=[part_o, part_ml, plan.sinks, plan.meta], **merge_arguments)
