@@ -31,13 +31,14 @@ import os
 import mlx.core as mx
 
 from kernels import cuda, cuda_mma, direct, metal, prefill, quantize, quantized_attention
-from kernels.call import PagedAttentionCall, call_signature
+from kernels.call import PagedAttentionCall, call_signature, without_lengths
 from kernels.direct import (
     ROWS_PER_BLOCK,
     bind,
     cached_plan,
     cuda_kernel_for,
     kernel_supports,
+    respan,
     split_count,
     with_call_inputs,
 )
@@ -129,13 +130,15 @@ def paged_attention(
     already, as every layer of a decode step after the first has, is launched from its
     arrays as given, without a call object (the route's plan was checked for that signature
     when it was made): this is the path a decode step's layers take, and its Python is what
-    a step costs beyond the model's own (issue 22)."""
+    a step costs beyond the model's own (issue 22). The first layer of a step, whose
+    lengths are new, takes the plan of its last step respanned (_respanned)."""
     tuning = tuning or environment_tuning()
     impl = impl or default_impl()
     signature = call_signature(queries, planes, block_tables, context_lens, layout, scale, mask,
                                window, sinks)
     if signature is not None:
-        route = _ROUTES.get(_route_key(signature, impl, tuning))
+        key = _route_key(signature, impl, tuning)
+        route = _ROUTES.get(key) or _respanned(signature, key, context_lens, impl, tuning)
         if route is not None and route[1] is not None:
             launch = metal.launch if route[0] == "metal" else cuda.launch
             return launch(bind(route[1], queries, planes, block_tables, sinks))
@@ -190,10 +193,39 @@ def _route(call: PagedAttentionCall, impl: str | None, tuning: DirectTuning) -> 
             plan = cached_plan(call, tuning)
         route = (chosen, plan)
         if signature is not None:
-            if len(_ROUTES) >= 256:
-                _ROUTES.clear()
-            _ROUTES[key] = route
+            _remember(key, route)
+            if plan is not None:
+                if len(_SHAPED) >= 256:
+                    _SHAPED.clear()
+                _SHAPED[_route_key(without_lengths(signature), impl, tuning)] = route
     return route
+
+
+# the routes with a launch plan by their signature without the context lengths, the last
+# one made for each: what _respanned starts from
+_SHAPED: dict[tuple, tuple[str, LaunchPlan]] = {}
+
+
+def _respanned(signature: tuple, key: tuple, context_lens, impl: str,
+               tuning: DirectTuning) -> tuple[str, LaunchPlan] | None:
+    """The route of a call that differs from a routed one with a launch plan only in its
+    context lengths, its plan respanned to them (kernels.direct.respan: the same templates
+    and kernels, new splits and scalars, the lengths checked), remembered under the call's
+    key; None when there is none. Every decode step's first layer takes this: its lengths
+    grew by one, so its signature is new, and building its plan whole cost ~35-45 us on
+    this project's CPU and ~0.3 ms on the H200 host (docs/kernels.md, run 8)."""
+    shaped = _SHAPED.get(_route_key(without_lengths(signature), impl, tuning))
+    if shaped is None:
+        return None
+    route = (shaped[0], respan(shaped[1], context_lens))
+    _remember(key, route)
+    return route
+
+
+def _remember(key: tuple, route: tuple[str, LaunchPlan | None]) -> None:
+    if len(_ROUTES) >= 256:
+        _ROUTES.clear()
+    _ROUTES[key] = route
 
 
 def _route_key(signature: tuple, impl: str, tuning: DirectTuning) -> tuple:
@@ -208,6 +240,7 @@ def forget_compiled_kernels() -> None:
     benchmarks that compare settings read when a kernel object is made, and for tests that
     make kernel objects through a stand-in of mx.fast.cuda_kernel."""
     _ROUTES.clear()
+    _SHAPED.clear()
     direct.forget_plans()
     for made in (cuda._split_kernel, cuda.merge_kernel, cuda_mma.split_kernel,
                  cuda_mma.native_split_kernel, quantize._cuda_kernel, quantize._cuda_launch,

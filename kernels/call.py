@@ -95,5 +95,12 @@ def call_signature(queries: mx.array, planes: Mapping[str, mx.array], block_tabl
         stored = tuple([(planes[name].shape, planes[name].dtype) for name in layout.plane_names])
     except KeyError:
         return None
-    return (queries.shape, queries.dtype, stored, block_tables.shape, tuple(map(int, context_lens)),
-            layout, scale, mask, window, sinks is not None)
+    return (queries.shape, queries.dtype, stored, block_tables.shape, layout, scale, mask, window,
+            sinks is not None, tuple(map(int, context_lens)))
+
+
+def without_lengths(signature: tuple) -> tuple:
+    """A call_signature without its context lengths (its last item): equal for every decode
+    step of one sequence, while the lengths grow by one a step. A launch plan's templates and
+    kernels follow from it; kernels.direct.respan makes the rest for other lengths."""
+    return signature[:-1]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import mlx.core as mx
@@ -23,7 +23,7 @@ from kernels.call import PagedAttentionCall
 from kernels.hadamard import sign_vector
 from kernels.launch import LaunchPlan
 from kernels.layout import PageLayout
-from kernels.paging import AttentionShape, check_shape, first_visible_key
+from kernels.paging import AttentionShape, check_lengths, check_shape, first_visible_key
 from kernels.tuning import DirectTuning
 
 ROWS_PER_BLOCK = 4  # grouped query rows a lane-group block scores
@@ -170,6 +170,19 @@ def bind(plan: LaunchPlan, queries: mx.array, planes, block_tables: mx.array,
     )
 
 
+def respan(plan: LaunchPlan, context_lens) -> LaunchPlan:
+    """The plan of a call that differs from plan's own only in its context lengths (equal
+    kernels.call.without_lengths of their signatures): its templates and compiled kernels,
+    with the splits and per-call scalars _split_plan gives those lengths, which are checked
+    as check_shape checks them (AttentionShapeError). The first layer of every decode step
+    takes this instead of building a plan: its lengths grew by one since the last step."""
+    rule = plan.split_rule
+    lengths = tuple([int(length) for length in context_lens])
+    check_lengths(lengths, rule.batch, rule.num_queries, rule.block_size, rule.table_blocks)
+    num_splits, meta = _splits(rule, lengths)
+    return plan.respanned(num_splits, meta)
+
+
 _PLANS: dict[tuple, LaunchPlan] = {}
 
 
@@ -190,7 +203,7 @@ def _build_plan(call: PagedAttentionCall, tuning: DirectTuning) -> LaunchPlan:
     if not kernel_supports(layout, shape.k_head_dim, shape.v_head_dim, tuning):
         raise ValueError(f"direct kernels do not serve layout {layout} with head dims "
                          f"{shape.k_head_dim}/{shape.v_head_dim}")
-    num_splits, row_chunks, meta = _split_plan(call, shape, ROWS_PER_BLOCK, tuning.target_blocks, align=1)
+    num_splits, row_chunks, meta, rule = _split_plan(call, shape, ROWS_PER_BLOCK, tuning.target_blocks, align=1)
     native_f32 = not layout.packed and call.planes["k"].dtype == mx.float32
     unroll = max(1, tuning.unroll // 2) if native_f32 else tuning.unroll
     num_warps = tuning.num_warps if shape.k_head_dim <= 256 else 4  # shared memory: groups * rows * D
@@ -204,7 +217,7 @@ def _build_plan(call: PagedAttentionCall, tuning: DirectTuning) -> LaunchPlan:
     ]
     if not layout.packed:
         split_template.append(("KvT", call.planes["k"].dtype))
-    return _launch_plan("lane", call, shape, num_splits, row_chunks, meta, num_warps * 32, split_template)
+    return _launch_plan("lane", call, shape, num_splits, row_chunks, meta, rule, num_warps * 32, split_template)
 
 
 def _page_template(call: PagedAttentionCall, shape: AttentionShape) -> list[tuple]:
@@ -224,27 +237,57 @@ def _page_template(call: PagedAttentionCall, shape: AttentionShape) -> list[tupl
     ]
 
 
+@dataclass(frozen=True)
+class SplitRule:
+    """What a plan's splits and per-call scalars follow from besides the context lengths
+    (_splits), kept on the plan for respan."""
+
+    batch: int
+    n_kv_heads: int
+    num_queries: int
+    rows: int  # grouped query rows per KV head: rep * L
+    row_chunks: int  # blocks of rows_per_block rows that cover them
+    target_blocks: int
+    align: int
+    window: int | None
+    scale_bits: int
+    block_size: int
+    table_blocks: int
+
+
 def _split_plan(call: PagedAttentionCall, shape: AttentionShape, rows_per_block: int,
-                target_blocks: int, *, align: int) -> tuple[int, int, mx.array]:
-    """(splits, row chunks, meta) of a call: the visible span [first_key, max_context) cut
-    into equal splits, first_key and the split size rounded to `align` tokens (earlier
-    keys are masked by position), and the per-call scalars of the split kernels."""
+                target_blocks: int, *, align: int) -> tuple[int, int, mx.array, SplitRule]:
+    """(splits, row chunks, meta, the rule they follow) of a call (_splits)."""
     rows = shape.rep * shape.num_queries
-    row_chunks = math.ceil(rows / rows_per_block)
-    first_key = first_visible_key(call.context_lens, shape.num_queries, call.window) // align * align
-    span = shape.max_context - first_key
-    num_splits = split_count(shape.batch, shape.n_kv_heads, row_chunks, span, target_blocks)
+    rule = SplitRule(
+        batch=shape.batch, n_kv_heads=shape.n_kv_heads, num_queries=shape.num_queries, rows=rows,
+        row_chunks=math.ceil(rows / rows_per_block), target_blocks=target_blocks, align=align,
+        window=call.window, scale_bits=float_bits(call.scale), block_size=shape.block_size,
+        table_blocks=call.block_tables.shape[1],
+    )
+    num_splits, meta = _splits(rule, call.context_lens)
+    return num_splits, rule.row_chunks, meta, rule
+
+
+def _splits(rule: SplitRule, context_lens: tuple[int, ...]) -> tuple[int, mx.array]:
+    """(splits, meta) for the lengths: the visible span [first_key, max context) cut into
+    equal splits, first_key and the split size rounded to rule.align tokens (earlier keys
+    are masked by position), and the per-call scalars of the split kernels."""
+    align = rule.align
+    first_key = first_visible_key(context_lens, rule.num_queries, rule.window) // align * align
+    span = max(context_lens) - first_key
+    num_splits = split_count(rule.batch, rule.n_kv_heads, rule.row_chunks, span, rule.target_blocks)
     split_tokens = math.ceil(math.ceil(span / num_splits) / align) * align
     num_splits = math.ceil(span / split_tokens)
     meta = meta_array(
-        (rows, shape.num_queries, split_tokens, call.window or 0, first_key, row_chunks,
-         float_bits(call.scale), *call.context_lens)
+        (rule.rows, rule.num_queries, split_tokens, rule.window or 0, first_key, rule.row_chunks,
+         rule.scale_bits, *context_lens)
     )
-    return num_splits, row_chunks, meta
+    return num_splits, meta
 
 
 def _launch_plan(kernel: str, call: PagedAttentionCall, shape: AttentionShape, num_splits: int,
-                 row_chunks: int, meta: mx.array, threads: int, split_template: list,
+                 row_chunks: int, meta: mx.array, rule: SplitRule, threads: int, split_template: list,
                  shared_memory: int = 0) -> LaunchPlan:
     """The LaunchPlan both split kernels share the merge and partial layout of."""
     merge_template = [("D", shape.v_head_dim), ("HAS_SINKS", call.sinks is not None),
@@ -261,6 +304,7 @@ def _launch_plan(kernel: str, call: PagedAttentionCall, shape: AttentionShape, n
         split_template=split_template,
         merge_template=merge_template,
         meta=meta,
+        split_rule=rule,
         sinks=None,
         signs=rotation_signs(shape.k_head_dim, call.layout.rotation_seed),
         plane_names=call.layout.plane_names,
@@ -282,7 +326,7 @@ def _build_mma_plan(call: PagedAttentionCall, tuning: DirectTuning) -> LaunchPla
                          f"{shape.k_head_dim}/{shape.v_head_dim} and {call.queries.dtype} queries")
     rows16 = shape.rep * shape.num_queries > 8 and shape.k_head_dim <= 128
     rows = 16 if rows16 else 8
-    num_splits, row_chunks, meta = _split_plan(call, shape, rows, tuning.mma_target_blocks, align=16)
+    num_splits, row_chunks, meta, rule = _split_plan(call, shape, rows, tuning.mma_target_blocks, align=16)
     d = shape.k_head_dim
     raw_words = 2 * (d // 4) * layout.k_bits // 32 + 4 * (d // 8) * layout.v_bits // 32
     # cp.async rings: a warp step is 16 tokens of every plane (codes and four scale planes)
@@ -315,7 +359,7 @@ def _build_mma_plan(call: PagedAttentionCall, tuning: DirectTuning) -> LaunchPla
         ("QSEP", separate_queries),
         ("SMEM", shared_memory),
     ]
-    plan = _launch_plan("mma", call, shape, num_splits, row_chunks, meta, tuning.mma_warps * 32,
+    plan = _launch_plan("mma", call, shape, num_splits, row_chunks, meta, rule, tuning.mma_warps * 32,
                         split_template, shared_memory)
     return replace(plan, min_blocks=tuning.mma_min_blocks)
 
@@ -384,7 +428,7 @@ def _build_native_mma_plan(call: PagedAttentionCall, tuning: DirectTuning) -> La
     d = shape.k_head_dim
     rows16 = shape.rep * shape.num_queries > 8 and d <= 128
     rows = 16 if rows16 else 8
-    num_splits, row_chunks, meta = _split_plan(call, shape, rows, tuning.native_target_blocks, align=16)
+    num_splits, row_chunks, meta, rule = _split_plan(call, shape, rows, tuning.native_target_blocks, align=16)
     slot = native_slot_nbytes(d)
     # as many of the stages asked for as fit (native_mma_serves: at least two do)
     stages = min(tuning.native_stages, NATIVE_SHARED_BYTES // (tuning.native_warps * slot))
@@ -402,5 +446,5 @@ def _build_native_mma_plan(call: PagedAttentionCall, tuning: DirectTuning) -> La
         ("KvT", call.planes["k"].dtype),
         ("SMEM", shared_memory),
     ]
-    return _launch_plan("mma_native", call, shape, num_splits, row_chunks, meta,
+    return _launch_plan("mma_native", call, shape, num_splits, row_chunks, meta, rule,
                         tuning.native_warps * 32, split_template, shared_memory)

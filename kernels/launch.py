@@ -86,9 +86,13 @@ class LaunchPlan:
     plane_names: tuple = ()  # the planes the split kernels read, in their input order
     shared_memory: int = 0  # dynamic shared bytes of the split kernel (0: static only)
     min_blocks: int = 0  # > 0: the split kernel's __launch_bounds__ minimum blocks per SM
+    # how the splits follow from the context lengths (kernels.direct.SplitRule), for respan
+    split_rule: object = None
     # the backend's compiled kernels for this plan's templates, found on its first launch,
-    # and the launches' arguments (run_split_merge), shared with every per-call copy (with_inputs)
+    # shared with every per-call copy (with_inputs) and every respanned plan (respanned)
     kernels: dict = field(default_factory=dict)
+    # the launches' arguments but their inputs (run_split_merge), shared with the per-call copies
+    arguments: dict = field(default_factory=dict)
 
     def with_inputs(self, split_inputs: list, sinks: mx.array) -> LaunchPlan:
         """This plan with one call's arrays: a shallow copy of its attributes (every layer of
@@ -100,6 +104,17 @@ class LaunchPlan:
         plan.sinks = sinks
         return plan
 
+    def respanned(self, num_splits: int, meta: mx.array) -> LaunchPlan:
+        """This plan for other context lengths (kernels.direct.respan): its own splits,
+        per-call scalars and launch arguments, the same templates and compiled kernels."""
+        plan = object.__new__(LaunchPlan)
+        plan.__dict__.update(self.__dict__)
+        plan.num_splits = num_splits
+        plan.meta = meta
+        plan.partial_shape = (self.partial_shape[0], num_splits)
+        plan.arguments = {}
+        return plan
+
 
 def run_split_merge(plan: LaunchPlan, split_kernel, merge_kernel, *, templated: bool = True) -> mx.array:
     """Split-K partials (output [.., head_dim] and the running max/sum [.., 2], float32),
@@ -107,10 +122,9 @@ def run_split_merge(plan: LaunchPlan, split_kernel, merge_kernel, *, templated: 
     (mx.fast.cuda_kernel or mx.fast.metal_kernel objects); templated False: they were
     compiled with the plan's templates baked in (baked()), and get none. The launches'
     other arguments are made once per plan (launch_arguments) and shared by its copies."""
-    key = ("arguments", templated)
-    arguments = plan.kernels.get(key)
+    arguments = plan.arguments.get(templated)
     if arguments is None:
-        arguments = plan.kernels[key] = launch_arguments(plan, templated)
+        arguments = plan.arguments[templated] = launch_arguments(plan, templated)
     split_arguments, merge_arguments = arguments
     part_o, part_ml = split_kernel(inputs=plan.split_inputs, **split_arguments)
     (result,) = merge_kernel(inputs=[part_o, part_ml, plan.sinks, plan.meta], **merge_arguments)

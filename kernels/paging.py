@@ -72,18 +72,12 @@ def check_shape(call: PagedAttentionCall) -> AttentionShape:
         raise AttentionShapeError(f"query head dim {k_head_dim} != stored key head dim {stored_k_dim}")
     if n_q_heads % n_kv_heads:
         raise AttentionShapeError(f"{n_q_heads} query heads do not divide into {n_kv_heads} KV heads")
-    if len(context_lens) != batch or block_tables.ndim != 2 or block_tables.shape[0] != batch:
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch:
         raise AttentionShapeError(
             f"batch {batch}: got {len(context_lens)} context lengths and block table "
             f"shape {block_tables.shape}"
         )
-    for length in context_lens:
-        if length < num_queries:
-            raise AttentionShapeError(f"context length {length} is shorter than {num_queries} queries")
-        if math.ceil(length / block_size) > block_tables.shape[1]:
-            raise AttentionShapeError(
-                f"context length {length} needs more than {block_tables.shape[1]} blocks of {block_size}"
-            )
+    check_lengths(context_lens, batch, num_queries, block_size, block_tables.shape[1])
     return AttentionShape(
         batch=batch,
         n_q_heads=n_q_heads,
@@ -94,6 +88,21 @@ def check_shape(call: PagedAttentionCall) -> AttentionShape:
         block_size=block_size,
         max_context=max(context_lens),
     )
+
+
+def check_lengths(context_lens, batch: int, num_queries: int, block_size: int, table_blocks: int) -> None:
+    """check_shape's rule for the context lengths alone (AttentionShapeError): one per
+    sequence of the batch, each covering the new queries and within the block table's
+    table_blocks blocks. kernels.direct.respan checks a plan's new lengths by it."""
+    if len(context_lens) != batch:
+        raise AttentionShapeError(f"batch {batch}: got {len(context_lens)} context lengths")
+    for length in context_lens:
+        if length < num_queries:
+            raise AttentionShapeError(f"context length {length} is shorter than {num_queries} queries")
+        if math.ceil(length / block_size) > table_blocks:
+            raise AttentionShapeError(
+                f"context length {length} needs more than {table_blocks} blocks of {block_size}"
+            )
 
 
 def clean_block_ids(

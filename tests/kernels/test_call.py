@@ -14,6 +14,7 @@ from kernels import attention, direct
 from kernels.attention import paged_attention, workspace_nbytes
 from kernels.call import PagedAttentionCall
 from kernels.layout import PageLayout
+from kernels.paging import AttentionShapeError
 from kernels.tuning import MMA_ENV, MMA_RAW_ENV, TUNING_ENV, DirectTuning, environment_tuning
 from tests.kernels.pages import make_case
 
@@ -163,8 +164,9 @@ def test_cuda_launch_finds_its_kernels_once_per_plan(monkeypatch):
 def test_layers_of_one_step_share_one_route_and_plan(monkeypatch):
     """kernels/attention.py picks the kernel and plans the launch once per call signature:
     the next layer of a decode step (the same shapes, lengths and options, its own arrays)
-    takes the cached plan with its own arrays, and anything that changes the launch (the
-    lengths, the tuning) gets a plan of its own."""
+    takes the cached plan with its own arrays; the next step's lengths take that plan
+    respanned (no new pick, the same kernels, their own scalars), and another tuning gets a
+    plan of its own."""
     launched = []
     monkeypatch.setattr(attention, "cuda_available", lambda: True)
     monkeypatch.setattr(attention.cuda, "launch", lambda plan: launched.append(plan) or plan.output_shape)
@@ -189,9 +191,10 @@ def test_layers_of_one_step_share_one_route_and_plan(monkeypatch):
     assert b.split_inputs[0].shape == second.queries.shape
     assert all(x is y for x, y in zip(b.split_inputs[2:8], (second.planes[n] for n in second.layout.plane_names),
                                       strict=True))
-    layer(3, context=301)  # the next step: new lengths, a new plan
+    layer(3, context=301)  # the next step: new lengths, the plan respanned
+    assert len(picks) == 1 and launched[2].meta is not a.meta and launched[2].kernels is a.kernels
     layer(4, tuning=DirectTuning(mma_warps=4))
-    assert len(picks) == 3 and launched[2].meta is not a.meta
+    assert len(picks) == 2 and launched[3].kernels is not a.kernels
     assert dict(launched[3].split_template)["NUM_WARPS"] == 4 != dict(a.split_template)["NUM_WARPS"]
 
 
@@ -224,6 +227,59 @@ def test_a_routed_layer_is_launched_without_a_call_object(monkeypatch, layout):
     assert len(routed.split_inputs) == len(expected.split_inputs)
     assert all(x is y for x, y in zip(routed.split_inputs, expected.split_inputs, strict=True))
     assert routed.sinks is expected.sinks
+
+
+@pytest.mark.parametrize("layout,queries,window", [("k4v4", 1, None), ("bf16", 1, None),
+                                                    ("bf16", 1, 600), ("k8v4", 4, 600)])
+def test_a_respanned_plan_is_the_plan_built_for_its_lengths(monkeypatch, layout, queries, window):
+    """A decode step's first layer (new lengths, shapes as before) takes the last plan
+    respanned: it equals, field by field, the plan built afresh for those lengths (splits,
+    partial shape, per-call scalars, templates), for each split kernel, across lengths
+    that change the split count and, with a window, the first visible key."""
+    launched = []
+    monkeypatch.setattr(attention, "cuda_available", lambda: True)
+    monkeypatch.setattr(attention.cuda, "launch", lambda plan: launched.append(plan) or plan.output_shape)
+    attention.forget_compiled_kernels()
+    dtype = mx.float32 if layout == "k8v4" else mx.bfloat16  # k8v4 float32 queries: the lane kernel
+    tuning = DirectTuning(target_blocks=24, mma_target_blocks=24, native_target_blocks=24)
+    lengths = [1100, 1101, 900, 17, 1200, 300]
+    case = make_case(layout, head_dim=128, n_kv_heads=2, gqa=4, block_size=16, context_lens=[1200],
+                     num_queries=queries, seed=7)
+    q = case.queries.astype(dtype)
+    for length in lengths:
+        paged_attention(q, case.planes, case.block_tables, [length], case.layout, scale=0.1,
+                        impl="cuda", tuning=tuning, window=window)
+    assert len({id(plan.kernels) for plan in launched}) == 1  # one plan, respanned
+    assert len({plan.num_splits for plan in launched}) > 2
+    fields = [f.name for f in dataclasses.fields(launched[0])
+              if f.name not in ("kernels", "arguments", "split_inputs", "sinks", "meta")]
+    for length, plan in zip(lengths, launched, strict=True):
+        call = PagedAttentionCall(q, case.planes, case.block_tables, [length], case.layout,
+                                  scale=0.1, window=window)
+        built = direct._build_plan if plan.kernel == "lane" else {
+            "mma": direct._build_mma_plan, "mma_native": direct._build_native_mma_plan}[plan.kernel]
+        fresh = built(call, tuning)
+        assert {f: getattr(plan, f) for f in fields} == {f: getattr(fresh, f) for f in fields}
+        assert plan.meta.tolist() == fresh.meta.tolist()
+    assert {plan.kernel for plan in launched} == {"lane" if layout == "k8v4" else
+                                                  "mma" if layout == "k4v4" else "mma_native"}
+
+
+def test_a_respanned_plan_checks_its_lengths(monkeypatch):
+    """New lengths the block table cannot hold, or one length for a batch of two, are
+    refused as check_shape refuses them, not launched from the last step's plan."""
+    monkeypatch.setattr(attention, "cuda_available", lambda: True)
+    monkeypatch.setattr(attention.cuda, "launch", lambda plan: plan.output_shape)
+    attention.forget_compiled_kernels()
+    case = make_case("k4v4", head_dim=128, n_kv_heads=2, gqa=4, block_size=16, context_lens=[300],
+                     num_queries=1, seed=8)
+    args = (case.queries, case.planes, case.block_tables)
+    paged_attention(*args, [300], case.layout, scale=0.1, impl="cuda")
+    width = case.block_tables.shape[1]
+    with pytest.raises(AttentionShapeError, match=f"needs more than {width} blocks"):
+        paged_attention(*args, [width * 16 + 1], case.layout, scale=0.1, impl="cuda")
+    with pytest.raises(AttentionShapeError, match="2 context lengths"):
+        paged_attention(*args, [300, 300], case.layout, scale=0.1, impl="cuda")
 
 
 def test_a_routed_layer_with_other_shapes_is_planned_again(monkeypatch):
