@@ -193,11 +193,9 @@ def _route(call: PagedAttentionCall, impl: str | None, tuning: DirectTuning) -> 
             plan = cached_plan(call, tuning)
         route = (chosen, plan)
         if signature is not None:
-            _remember(key, route)
+            _remember(_ROUTES, key, route)
             if plan is not None:
-                if len(_SHAPED) >= 256:
-                    _SHAPED.clear()
-                _SHAPED[_route_key(without_lengths(signature), impl, tuning)] = route
+                _remember(_SHAPED, _route_key(without_lengths(signature), impl, tuning), route)
     return route
 
 
@@ -218,14 +216,15 @@ def _respanned(signature: tuple, key: tuple, context_lens, impl: str,
     if shaped is None:
         return None
     route = (shaped[0], respan(shaped[1], context_lens))
-    _remember(key, route)
+    _remember(_ROUTES, key, route)
     return route
 
 
-def _remember(key: tuple, route: tuple[str, LaunchPlan | None]) -> None:
-    if len(_ROUTES) >= 256:
-        _ROUTES.clear()
-    _ROUTES[key] = route
+def _remember(table: dict, key: tuple, route: tuple[str, LaunchPlan | None]) -> None:
+    """route under key in table (_ROUTES or _SHAPED), which holds at most 256 entries."""
+    if len(table) >= 256:
+        table.clear()
+    table[key] = route
 
 
 def _route_key(signature: tuple, impl: str, tuning: DirectTuning) -> tuple:

@@ -203,7 +203,7 @@ def _build_plan(call: PagedAttentionCall, tuning: DirectTuning) -> LaunchPlan:
     if not kernel_supports(layout, shape.k_head_dim, shape.v_head_dim, tuning):
         raise ValueError(f"direct kernels do not serve layout {layout} with head dims "
                          f"{shape.k_head_dim}/{shape.v_head_dim}")
-    num_splits, row_chunks, meta, rule = _split_plan(call, shape, ROWS_PER_BLOCK, tuning.target_blocks, align=1)
+    num_splits, meta, rule = _split_plan(call, shape, ROWS_PER_BLOCK, tuning.target_blocks, align=1)
     native_f32 = not layout.packed and call.planes["k"].dtype == mx.float32
     unroll = max(1, tuning.unroll // 2) if native_f32 else tuning.unroll
     num_warps = tuning.num_warps if shape.k_head_dim <= 256 else 4  # shared memory: groups * rows * D
@@ -217,7 +217,7 @@ def _build_plan(call: PagedAttentionCall, tuning: DirectTuning) -> LaunchPlan:
     ]
     if not layout.packed:
         split_template.append(("KvT", call.planes["k"].dtype))
-    return _launch_plan("lane", call, shape, num_splits, row_chunks, meta, rule, num_warps * 32, split_template)
+    return _launch_plan("lane", call, shape, num_splits, meta, rule, num_warps * 32, split_template)
 
 
 def _page_template(call: PagedAttentionCall, shape: AttentionShape) -> list[tuple]:
@@ -256,8 +256,8 @@ class SplitRule:
 
 
 def _split_plan(call: PagedAttentionCall, shape: AttentionShape, rows_per_block: int,
-                target_blocks: int, *, align: int) -> tuple[int, int, mx.array, SplitRule]:
-    """(splits, row chunks, meta, the rule they follow) of a call (_splits)."""
+                target_blocks: int, *, align: int) -> tuple[int, mx.array, SplitRule]:
+    """(splits, meta, the rule they follow) of a call (_splits)."""
     rows = shape.rep * shape.num_queries
     rule = SplitRule(
         batch=shape.batch, n_kv_heads=shape.n_kv_heads, num_queries=shape.num_queries, rows=rows,
@@ -266,7 +266,7 @@ def _split_plan(call: PagedAttentionCall, shape: AttentionShape, rows_per_block:
         table_blocks=call.block_tables.shape[1],
     )
     num_splits, meta = _splits(rule, call.context_lens)
-    return num_splits, rule.row_chunks, meta, rule
+    return num_splits, meta, rule
 
 
 def _splits(rule: SplitRule, context_lens: tuple[int, ...]) -> tuple[int, mx.array]:
@@ -287,7 +287,7 @@ def _splits(rule: SplitRule, context_lens: tuple[int, ...]) -> tuple[int, mx.arr
 
 
 def _launch_plan(kernel: str, call: PagedAttentionCall, shape: AttentionShape, num_splits: int,
-                 row_chunks: int, meta: mx.array, rule: SplitRule, threads: int, split_template: list,
+                 meta: mx.array, rule: SplitRule, threads: int, split_template: list,
                  shared_memory: int = 0) -> LaunchPlan:
     """The LaunchPlan both split kernels share the merge and partial layout of."""
     merge_template = [("D", shape.v_head_dim), ("HAS_SINKS", call.sinks is not None),
@@ -298,7 +298,7 @@ def _launch_plan(kernel: str, call: PagedAttentionCall, shape: AttentionShape, n
         batch=shape.batch,
         head_dim=shape.k_head_dim,
         num_splits=num_splits,
-        grid_y=shape.n_kv_heads * row_chunks,
+        grid_y=shape.n_kv_heads * rule.row_chunks,
         threads=threads,
         split_inputs=[],
         split_template=split_template,
@@ -326,7 +326,7 @@ def _build_mma_plan(call: PagedAttentionCall, tuning: DirectTuning) -> LaunchPla
                          f"{shape.k_head_dim}/{shape.v_head_dim} and {call.queries.dtype} queries")
     rows16 = shape.rep * shape.num_queries > 8 and shape.k_head_dim <= 128
     rows = 16 if rows16 else 8
-    num_splits, row_chunks, meta, rule = _split_plan(call, shape, rows, tuning.mma_target_blocks, align=16)
+    num_splits, meta, rule = _split_plan(call, shape, rows, tuning.mma_target_blocks, align=16)
     d = shape.k_head_dim
     raw_words = 2 * (d // 4) * layout.k_bits // 32 + 4 * (d // 8) * layout.v_bits // 32
     # cp.async rings: a warp step is 16 tokens of every plane (codes and four scale planes)
@@ -359,7 +359,7 @@ def _build_mma_plan(call: PagedAttentionCall, tuning: DirectTuning) -> LaunchPla
         ("QSEP", separate_queries),
         ("SMEM", shared_memory),
     ]
-    plan = _launch_plan("mma", call, shape, num_splits, row_chunks, meta, rule, tuning.mma_warps * 32,
+    plan = _launch_plan("mma", call, shape, num_splits, meta, rule, tuning.mma_warps * 32,
                         split_template, shared_memory)
     return replace(plan, min_blocks=tuning.mma_min_blocks)
 
@@ -428,7 +428,7 @@ def _build_native_mma_plan(call: PagedAttentionCall, tuning: DirectTuning) -> La
     d = shape.k_head_dim
     rows16 = shape.rep * shape.num_queries > 8 and d <= 128
     rows = 16 if rows16 else 8
-    num_splits, row_chunks, meta, rule = _split_plan(call, shape, rows, tuning.native_target_blocks, align=16)
+    num_splits, meta, rule = _split_plan(call, shape, rows, tuning.native_target_blocks, align=16)
     slot = native_slot_nbytes(d)
     # as many of the stages asked for as fit (native_mma_serves: at least two do)
     stages = min(tuning.native_stages, NATIVE_SHARED_BYTES // (tuning.native_warps * slot))
@@ -446,5 +446,5 @@ def _build_native_mma_plan(call: PagedAttentionCall, tuning: DirectTuning) -> La
         ("KvT", call.planes["k"].dtype),
         ("SMEM", shared_memory),
     ]
-    return _launch_plan("mma_native", call, shape, num_splits, row_chunks, meta, rule,
+    return _launch_plan("mma_native", call, shape, num_splits, meta, rule,
                         tuning.native_warps * 32, split_template, shared_memory)
