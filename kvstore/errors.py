@@ -11,6 +11,8 @@
     │       └── NeedsMigration        a write to a store of an older schema (read-only
     │                                 until `kvstore migrate`)
     ├── IntegrityError                stored bytes do not match their digest (page quarantined)
+    │   └── CopyDamaged               a copy of a page that verifies in the store did not match
+    │                                 on arrival (kvstore/deferred.py); nothing quarantined
     ├── StoreCorrupt                  the LMDB environment is not a whole store (a declared
     │                                 sub-database or the meta record is missing, or LMDB
     │                                 refuses the file); refused at open, nothing written
@@ -105,6 +107,21 @@ class IntegrityError(KVStoreError):
             f"page {digest} failed its integrity check ({detail}); it was quarantined and "
             "will not be returned again. Run `kvstore check --read-data` and re-publish it"
         )
+        self.digest = digest
+
+
+class CopyDamaged(IntegrityError):
+    """The device's copy of a page failed the page's checksum while the stored page
+    verifies (kvstore/deferred.py): damage on the way, nothing in the store to quarantine."""
+
+    code = "copy_damaged"
+
+    def __init__(self, digest: str):
+        KVStoreError.__init__(
+            self, f"the copy of page {digest} that the device hashed does not match the page's "
+                  "xxh3-128, while the stored page verifies: it was damaged on its way (host "
+                  "staging, the bus or device memory); nothing was quarantined. Retry the "
+                  "restore; if it recurs, check the machine's memory and GPU")
         self.digest = digest
 
 

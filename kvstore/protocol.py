@@ -48,6 +48,13 @@ tests/kvstore/test_protocol.py checks the method set and signatures of all three
                     IntegrityError once, at that read (a restore never reads it again:
                     lookup_prefix stops before it; an explicit get_pages of that digest
                     still refuses it).
+  get_pages_deferred
+                    get_pages for a caller that hashes the bytes where it copies them
+                    (a restore onto a CUDA GPU): a kvstore.deferred.DeferredPages whose
+                    `expected` names the xxh3-128 each view still owes, compared by its
+                    settle() before the caller uses the copies. Store defers the raw
+                    records of a schema-2 store; RemoteStore verifies everything as
+                    get_pages does (nothing owed); TieredStore is its local store's.
 """
 
 from __future__ import annotations
@@ -86,6 +93,8 @@ class PageReader(Protocol):
                     limit: int = 1000) -> list[BlockRecord]: ...
 
     def get_pages(self, digests: Sequence) -> AbstractContextManager[list]: ...
+
+    def get_pages_deferred(self, digests: Sequence) -> AbstractContextManager: ...
 
     def read_pages(self, digests: Sequence) -> list[bytes]: ...
 

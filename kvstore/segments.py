@@ -174,13 +174,15 @@ def parse_record_header(view) -> tuple[bytes, PageHeader]:
     return head[8:40], page
 
 
-def verify_record(view, digest: bytes, location: Location | None = None
-                  ) -> tuple[PageHeader, memoryview]:
+def verify_record(view, digest: bytes, location: Location | None = None, *,
+                  hash_body: bool = True) -> tuple[PageHeader, memoryview]:
     """view: the record's bytes (view()). Returns (page header, stored bytes view) or
     raises ValueError naming the damage: header checksum, digest, lengths, xxh3-128.
     Every check that kvstore.pages.verify_stored makes of the page value is made here
     too (the page header's fields, its digest prefix, the stored length, the xxh3-128),
-    with the record header's own, in one parse: the read path's one verification."""
+    with the record header's own, in one parse: the read path's one verification.
+    hash_body=False leaves out the xxh3-128 alone, for a caller that compares it later
+    (kvstore/deferred.py: header.xxh3 is what the bytes must hash to)."""
     named, header = parse_record_header(view)
     digest = bytes(digest)
     if named != digest:
@@ -197,7 +199,7 @@ def verify_record(view, digest: bytes, location: Location | None = None
     if len(body) != header.stored_nbytes:
         raise ValueError(f"stored length {len(body)} != header's {header.stored_nbytes} "
                          "(the record runs past the segment's end)")
-    if xxhash.xxh3_128_digest(body) != header.xxh3:
+    if hash_body and xxhash.xxh3_128_digest(body) != header.xxh3:
         raise ValueError("xxh3-128 of the stored bytes does not match the header")
     return header, body
 

@@ -36,6 +36,7 @@ import numpy as np
 
 from kvstore import faults
 from kvstore.check import CheckReport, check_store
+from kvstore.deferred import MIN_DEFERRED_NBYTES, DeferredPages, verified_now
 from kvstore.errors import (
     AlreadyExists,
     IntegrityError,
@@ -71,6 +72,7 @@ from kvstore.lmdbenv import (
     LmdbEnv,
 )
 from kvstore.pages import (
+    CODEC_RAW,
     HEADER_NBYTES,
     Compression,
     PageBatch,
@@ -387,6 +389,33 @@ class Store:
                 yield views
                 return
         self._quarantine(damaged)
+
+    @contextmanager
+    def get_pages_deferred(self, digests: Sequence) -> Iterator[DeferredPages]:
+        """get_pages for a caller that hashes the bytes where it copies them (a GPU,
+        kvstore/deferred.py): every check of each record but its xxh3-128, which the
+        DeferredPages' `expected` names for the caller's settle(). zstd pages, pages
+        shorter than MIN_DEFERRED_NBYTES and a schema-1 store's pages are verified here
+        and owe nothing. A record that fails a check made here is quarantined and
+        raises IntegrityError, as in get_pages."""
+        if self.schema_version != SCHEMA_V2:
+            with verified_now(self.get_pages, digests) as pages:
+                yield pages
+            return
+        wanted = [PageDigest.coerce(d) for d in digests]
+        damaged: list[tuple[PageDigest, str]] = []
+        with self.index.read(buffers=True) as index:
+            views, expected = _segment_views_deferred(index, wanted, damaged)
+            if not damaged:
+                yield DeferredPages(wanted, views, expected, self._recheck)
+                return
+        self._quarantine(damaged)
+
+    def _recheck(self, digests: list[PageDigest]) -> None:
+        """settle()'s second look at pages whose copies failed: get_pages on the host
+        (quarantines and raises for a page damaged here)."""
+        with self.get_pages(digests):
+            pass
 
     def read_pages(self, digests: Sequence) -> list[bytes]:
         """Copying variant of get_pages."""
@@ -715,6 +744,35 @@ def _verified_segment_views(index: StoreIndex, wanted: list, damaged: list) -> l
         except ValueError as exc:
             damaged.append((d, str(exc)))
     return views
+
+
+def _segment_views_deferred(index: StoreIndex, wanted: list, damaged: list
+                            ) -> tuple[list, list[bytes | None]]:
+    """_verified_segment_views without the xxh3-128 of the raw records the device hashes:
+    (views, expected), expected[i] the checksum views[i] owes, or None where it was
+    verified here (a zstd frame, decoded here; a record under MIN_DEFERRED_NBYTES)."""
+    segments = index.segments
+    views, expected = [], []
+    for d in wanted:
+        location = index.location(d)
+        if location is None:
+            if not index.has_page(d):
+                _raise_absent(index, d)
+            damaged.append((d, "its location does not parse"))
+            continue
+        try:
+            view = segments.view(location)
+            header, body = verify_record(view, d, location, hash_body=False)
+            if header.codec == CODEC_RAW and header.stored_nbytes >= MIN_DEFERRED_NBYTES:
+                views.append(body)
+                expected.append(header.xxh3)
+                continue
+            header, body = verify_record(view, d, location)
+            views.append(decode_stored(header, body))
+            expected.append(None)
+        except ValueError as exc:
+            damaged.append((d, str(exc)))
+    return views, expected
 
 
 def format_id_bytes(format_id) -> bytes:

@@ -45,6 +45,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from typing import Iterable, Iterator, Mapping, Sequence
 
+from kvstore.deferred import DeferredPages
 from kvstore.errors import NotFound
 from kvstore.format import FormatIdentity
 from kvstore.ids import ROOT_KEY, ChainKey, PageDigest, chain_key, chain_keys, check_namespace
@@ -518,6 +519,17 @@ class TieredStore:
                 self._ensure_pages(digests)
                 views = stack.enter_context(self.local.get_pages(digests))
             yield views
+
+    @contextmanager
+    def get_pages_deferred(self, digests: Sequence) -> Iterator[DeferredPages]:
+        """The local store's deferred read (kvstore/deferred.py), pages pulled first."""
+        with ExitStack() as stack:
+            try:
+                pages = stack.enter_context(self.local.get_pages_deferred(digests))
+            except NotFound:
+                self._ensure_pages(digests)
+                pages = stack.enter_context(self.local.get_pages_deferred(digests))
+            yield pages
 
     def read_pages(self, digests: Sequence) -> list[bytes]:
         try:
