@@ -39,6 +39,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.errors import FormatMismatch
+from kernels.page_hash import page_hashes
 
 # Page copies smaller than this run inline: a thread hop costs more than the copy.
 MIN_THREADED_NBYTES = 4 * 2**20
@@ -281,12 +282,17 @@ class DeferredCopies(PageCopies):
     length is not its stand-in's is refused (FormatMismatch) before anything is copied
     from it. Other pages passed to add() are copied by run(), as PageCopies does."""
 
-    def __init__(self):
+    def __init__(self, *, hash_on_device: bool = False):
         super().__init__()
         self._zeros = memoryview(b"")
         self._stand_ins: list[memoryview] = []  # kept alive: their ids stay unique
         self._where: dict[int, int] = {}  # id(stand-in) -> page index
         self._targets: list[list[tuple]] = []  # page index -> [(regions, targets)]
+        # The device hashes what it copied (kernels/page_hash.py) for the store to settle
+        # (kvstore/deferred.py): BlockPool.write_pages then hands its device copy's rows to
+        # hash_rows, one entry per pool: (pool, page indices, rows, row bytes, page lengths).
+        self.hash_on_device = hash_on_device
+        self._hashed: list[tuple] = []
 
     def stand_ins(self, lengths: list[int]) -> list[memoryview]:
         """One stand-in per page, numbered on from the pages already handed out."""
@@ -319,6 +325,28 @@ class DeferredCopies(PageCopies):
         """The number of the stand-in `page` is, or None for a real page."""
         index = self._where.get(id(page))
         return index if index is not None and self._stand_ins[index] is page else None
+
+    def hash_rows(self, pool, pages: list, rows: mx.array, row_nbytes: int) -> None:
+        """Record that rows (uint8, a device array) holds `pages` (stand-ins of this
+        object), page i in the first bytes of row i, for device_hashes."""
+        indices = [self._index(page) for page in pages]
+        assert None not in indices, "hash_rows takes this object's stand-ins"
+        self._hashed.append((pool, indices, rows, row_nbytes, [len(page) for page in pages]))
+
+    def device_hashes(self, pools) -> list[tuple[list[int], mx.array]]:
+        """(page indices, [n, 2] uint64 (high, low) xxh3-128 of those pages' rows, lazy
+        on a GPU) for the rows hash_rows recorded for `pools`: call it once their pages
+        landed. Each pool's entry is handed out once."""
+        wanted = {id(pool) for pool in pools}
+        out, kept = [], []
+        for entry in self._hashed:
+            pool, indices, rows, row_nbytes, lengths = entry
+            if id(pool) in wanted:
+                out.append((indices, page_hashes(rows, row_nbytes, lengths)))
+            else:
+                kept.append(entry)
+        self._hashed = kept
+        return out
 
     def copy(self, index: int, page) -> None:
         """Page `index` (its verified bytes) into every target laid out for its stand-in."""

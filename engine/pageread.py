@@ -121,11 +121,16 @@ STAGING_READ_WORKERS = 8
 
 def read_into(store: PageReader, digests: Sequence, sink: Callable[[int, object], None],
               page_nbytes: int, workers: int | None = None,
-              chunk_nbytes: int = READ_CHUNK_NBYTES) -> None:
+              chunk_nbytes: int = READ_CHUNK_NBYTES, checks: list | None = None) -> None:
     """The fused read: sink(i, page) for every digest, each page handed over right after
     the store verified it (valid during the call), in no particular order, from up to
     `workers` threads (default READ_WORKERS) of a shared pool. page_nbytes (the largest
     page's length, about) sizes the runs: chunk_nbytes of pages per get_pages.
+
+    With `checks` (a list), the pages are read with get_pages_deferred instead: the
+    store makes every check but the xxh3-128 of the pages it leaves to the caller
+    (kvstore/deferred.py), and (first index, DeferredPages) of every run is appended
+    to `checks`; the caller settles each before it uses what the sink copied.
 
     A damaged or missing page raises the store's error (IntegrityError after it
     quarantined the page; NotFound), a failing sink its own: that of the earliest run
@@ -137,9 +142,17 @@ def read_into(store: PageReader, digests: Sequence, sink: Callable[[int, object]
     workers = min(workers, len(digests) // MIN_PAGES_PER_READER)
     if not digests:
         return
+    read = store.get_pages if checks is None else store.get_pages_deferred
+
+    def views_of(opened, at: int) -> list:
+        if checks is None:
+            return opened
+        checks.append((at, opened))  # list.append is atomic: readers share the list
+        return opened.views
+
     if workers <= 1 or not store.maps_pages:
-        with store.get_pages(digests) as views:
-            for i, view in enumerate(views):
+        with read(digests) as opened:
+            for i, view in enumerate(views_of(opened, 0)):
                 sink(i, view)
         return
     chunk = max(1, chunk_nbytes // max(1, page_nbytes))
@@ -151,8 +164,8 @@ def read_into(store: PageReader, digests: Sequence, sink: Callable[[int, object]
             for at in range(first, min(first + step, len(digests)), chunk):
                 if stop.is_set():
                     return
-                with store.get_pages(digests[at : min(at + chunk, first + step)]) as views:
-                    for k, view in enumerate(views):
+                with read(digests[at : min(at + chunk, first + step)]) as opened:
+                    for k, view in enumerate(views_of(opened, at)):
                         sink(at + k, view)
         except BaseException:
             stop.set()  # the others stop at their next chunk

@@ -198,7 +198,10 @@ class BlockPool:
         its stand-ins: the copies into staging are only recorded in it (each a whole
         page into its row), and the device work is neither started nor awaited,
         since it must read the staging after the pages land. The caller runs the read,
-        then evaluates self.planes."""
+        then evaluates self.planes. Where `later.hash_on_device`, the device first
+        copies the rows into memory of its own in one transfer, the planes read that
+        copy, and later.hash_rows records it: the caller hashes it
+        (DeferredCopies.device_hashes) and has the store settle the hashes."""
         for block in blocks:
             assert self._refs[block] == 1, f"write into block {block} with {self._refs[block]} refs"
         spec = self.spec
@@ -211,6 +214,11 @@ class BlockPool:
         if later is None:
             copies.run()
         staged = staged[: n * row]
+        if later is not None and later.hash_on_device:
+            # one bulk transfer into device memory, which the device hashes (the store
+            # settles the hashes before the restore returns) and the planes read
+            staged = device_copy(staged)
+            later.hash_rows(self, pages, staged, row)
         runs = _consecutive_runs(blocks)
         ids = mx.array(blocks, dtype=mx.int32) if len(runs) > 4 else None
         for r in page_regions(spec, spec.block_size_tokens):  # plane r of every row

@@ -68,6 +68,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
 from engine.admission import AdmissionRequest, Decision, Grant
@@ -90,6 +91,7 @@ from engine.pagecopy import (
 )
 from engine.pageread import STAGING_READ_CHUNK_NBYTES, STAGING_READ_WORKERS, read_into, read_pages
 from engine.publish import DEFAULT_NAMESPACE
+from kernels.quantize import cuda_available
 from engine.stock import ConvertedQuantizedKVCache, TrackedKVCache
 from kvstore.errors import IncompatibleFormat, NotFound
 from kvstore.format import FormatIdentity, diff
@@ -524,7 +526,8 @@ def _build(engine_model: EngineModel, store: PageReader, plan: _Plan,
     try:
         fused = _fused(engine_model, store, plan)
         read = _read_fused if fused else _read_views
-        targets = _Targets(adopted, grant, DeferredCopies() if fused else PageCopies())
+        copies = (DeferredCopies(hash_on_device=_hash_on_device()) if fused else PageCopies())
+        targets = _Targets(adopted, grant, copies)
         nbytes = read(engine_model, store, plan, fetched, caches, targets)
         if attachment_names:
             with _pages(store, [ckpt.attachments[name] for name in attachment_names]) as views:
@@ -594,6 +597,17 @@ def _read_fused(engine_model: EngineModel, store: PageReader, plan: _Plan, fetch
     return sum(lengths)
 
 
+# On a CUDA GPU the restore leaves the pages' xxh3-128 to the device, which hashes the copy
+# it made of them (kernels/page_hash.py) before the store compares (kvstore/deferred.py);
+# False: the host verifies every page before it copies it (tools/bench/profile compares
+# the two).
+HASH_ON_DEVICE = True
+
+
+def _hash_on_device() -> bool:
+    return HASH_ON_DEVICE and not direct_writes() and cuda_available()
+
+
 # A device restore reads its layers in groups of at least this many bytes, each group's
 # device copies started as soon as its pages are in staging, so that they overlap the
 # next group's read (_read_into_staging). H200, 8K tokens, the restore with its device
@@ -614,19 +628,48 @@ def _read_into_staging(store: PageReader, digests: list, lengths: list[int], cop
     fewer threads, engine/pageread.py; the store's own read_pages_into into the rows
     measured slower, 114.7 against 97.8 ms at 8B, its per-page index lookups run on
     one thread before its copies start), then its pools' device copies start
-    (mx.async_eval), and the next group is read meanwhile."""
+    (mx.async_eval), and the next group is read meanwhile. With copies.hash_on_device
+    the store leaves each page's xxh3-128 to the device (get_pages_deferred): the
+    device's copies of a group are hashed as they land, and the store settles every
+    page's hash before this returns (_settle)."""
     n = len(digests) // max(1, len(pools))
+    checks, hashed = [], []  # (first read index, DeferredPages); (page indices, hashes)
     first = 0
     while first < len(pools):
         last, nbytes = first, 0
         while last < len(pools) and (last == first or nbytes < DEVICE_READ_GROUP_NBYTES):
             nbytes += sum(lengths[last * n : (last + 1) * n])
             last += 1
-        a = first * n
+        a, group, group_checks = first * n, pools[first:last], ([] if copies.hash_on_device else None)
         read_into(store, digests[a : last * n], lambda i, page, at=a: copies.copy(at + i, page),
-                  page_nbytes, STAGING_READ_WORKERS, STAGING_READ_CHUNK_NBYTES)
-        mx.async_eval([plane for pool in pools[first:last] for plane in pool.planes.values()])
+                  page_nbytes, STAGING_READ_WORKERS, STAGING_READ_CHUNK_NBYTES, group_checks)
+        started = [plane for pool in group for plane in pool.planes.values()]
+        if group_checks is not None:
+            checks += [(a + at, pages) for at, pages in group_checks]
+            group_hashes = copies.device_hashes(group)
+            hashed += group_hashes
+            started += [hashes for _, hashes in group_hashes]
+        mx.async_eval(started)
         first = last
+    if copies.hash_on_device:
+        _settle(checks, hashed, len(digests))
+
+
+def _settle(checks: list, hashed: list, count: int) -> None:
+    """The store's comparison of the device's hashes (waits for them: the restore returns
+    only after every page it read matched, kvstore/deferred.py). checks: (first read
+    index, DeferredPages) of every run; hashed: (read indices, [n, 2] uint64 hashes)."""
+    computed: list[bytes | None] = [None] * count
+    for indices, hashes in hashed:
+        raw = np.array(hashes).astype(">u8").tobytes()  # (high, low) big-endian: the digest bytes
+        for k, index in enumerate(indices):
+            computed[index] = raw[16 * k : 16 * (k + 1)]
+    for at, pages in checks:
+        got = computed[at : at + len(pages.expected)]
+        unhashed = [at + i for i, (want, have) in enumerate(zip(pages.expected, got, strict=True))
+                    if want is not None and have is None]
+        assert not unhashed, f"pages {unhashed[:4]} owe a checksum that nothing computed"
+        pages.settle(got)
 
 
 def _read_views(engine_model: EngineModel, store: PageReader, plan: _Plan, fetched: list,

@@ -12,14 +12,17 @@ import sys
 from contextlib import contextmanager
 
 import mlx.core as mx
+import numpy as np
 import pytest
+import xxhash
 
 from engine.engine_model import EngineModel
 from engine.formats import PageSpec, pages_from_blocks
 from engine.policy import KVPolicy
 from engine.publish import publish
 from engine.restore import RestoreRequest, restore
-from kvstore.errors import IntegrityError
+from kernels.page_hash import MIN_NBYTES
+from kvstore.errors import CopyDamaged, IntegrityError
 from kvstore.store import Store
 from tests.engine.factories import prompt_tokens, tiny_model
 from tests.engine.test_publish_restore import _prefilled
@@ -138,3 +141,84 @@ def test_the_device_read_goes_by_layer_groups_each_groups_copies_started_before_
                 cache.free()
             assert reads == [5 * layers // groups] * groups  # 5 blocks of each layer
             assert evals == list(range(1, groups + 1))  # each group's copies after its read
+
+
+def _device_hashes(monkeypatch, damage_row: int | None = None) -> list:
+    """The device hashes what it copied (restore.HASH_ON_DEVICE on "CUDA"): the work of
+    kernels/page_hash.py done here by python-xxhash over the device copy's rows, which is
+    what the kernel must equal (tests/kernels/test_page_hash.py). damage_row: that row's
+    bytes are changed before they are hashed (a copy damaged on its way). Returns the
+    page count of every hash_rows entry hashed."""
+    monkeypatch.setattr(sys.modules["engine.restore"], "cuda_available", lambda: True)
+    counts = []
+
+    def host_page_hashes(rows, row_nbytes, lengths):
+        data = np.array(rows)
+        out = np.zeros((len(lengths), 2), dtype=np.uint64)
+        for i, n in enumerate(lengths):
+            page = bytearray(data[i * row_nbytes : i * row_nbytes + n].tobytes())
+            if damage_row is not None and sum(counts) + i == damage_row:
+                page[n // 2] ^= 0x04
+            if n >= MIN_NBYTES:
+                digest = xxhash.xxh3_128_intdigest(bytes(page))
+                out[i] = (digest >> 64, digest & (2**64 - 1))
+        counts.append(len(lengths))
+        return mx.array(out)
+
+    monkeypatch.setattr("engine.pagecopy.page_hashes", host_page_hashes)
+    return counts
+
+
+@pytest.mark.parametrize("fmt", ["native", "k4v4"])
+def test_the_device_hashes_every_page_it_copies_and_the_store_settles_them(tmp_path, monkeypatch, fmt):
+    with _published(tmp_path, fmt, 90, seed=63) as (store, engine_model, tokens, want):
+        unfused = _device_backend(monkeypatch)
+        counts = _device_hashes(monkeypatch)
+        deferred = []
+        real = store.get_pages_deferred
+        monkeypatch.setattr(store, "get_pages_deferred", lambda d: deferred.append(len(d)) or real(d))
+        device = engine_model()
+        restored = restore(device, store, RestoreRequest(tokens + [1]))
+        assert _pool_pages(device, restored) == want  # tolerance 0
+        pages = 6 * len(device.identity.paged_layers)  # 90 tokens: 6 blocks of 16 per layer
+        assert sum(counts) == pages and sum(deferred) == pages and unfused == []
+
+
+def test_a_page_damaged_in_the_store_fails_the_device_check_and_is_quarantined(tmp_path, monkeypatch):
+    model = tiny_model("llama", mx.bfloat16)
+    policy = KVPolicy(block_size_tokens=16)
+    tokens = prompt_tokens(64, seed=64).tolist()
+    path = tmp_path / "s"
+    with Store(path) as store:
+        publish(EngineModel(model, MODEL_ID, policy=policy), store, tokens,
+                _prefilled(model, policy, tokens))
+        victim = store.lookup_prefix(EngineModel(model, MODEL_ID, policy=policy).identity.format_id,
+                                     "default", tokens).blocks[2].pages[0]
+        value = stored_value(store, victim)
+    flip_bit(path, value, 8 * len(value) - 11)  # a stored byte: only its xxh3-128 can tell
+    _device_backend(monkeypatch)
+    counts = _device_hashes(monkeypatch)
+    with Store(path) as store:
+        device = EngineModel(model, MODEL_ID, policy=policy)
+        used_before = [pool.num_used_blocks for pool in device.pools]
+        with pytest.raises(IntegrityError) as raised:
+            restore(device, store, RestoreRequest(tokens + [1]))
+        assert not isinstance(raised.value, CopyDamaged) and raised.value.digest == victim.hex()
+        assert counts, "the damage was found by the device's hashes, not on the host"
+        assert [pool.num_used_blocks for pool in device.pools] == used_before
+        restored = restore(device, store, RestoreRequest(tokens + [1]))  # quarantined: stops before it
+        assert restored.tokens_restored == 32
+
+
+def test_a_copy_damaged_on_its_way_fails_the_restore_and_quarantines_nothing(tmp_path, monkeypatch):
+    with _published(tmp_path, "native", 64, seed=65) as (store, engine_model, tokens, want):
+        _device_backend(monkeypatch)
+        _device_hashes(monkeypatch, damage_row=5)
+        device = engine_model()
+        used_before = [pool.num_used_blocks for pool in device.pools]
+        with pytest.raises(CopyDamaged):
+            restore(device, store, RestoreRequest(tokens + [1]))
+        assert [pool.num_used_blocks for pool in device.pools] == used_before
+        _device_hashes(monkeypatch)  # the next copy arrives whole: every page is served
+        restored = restore(device, store, RestoreRequest(tokens + [1]))
+        assert restored.tokens_restored == 64 and _pool_pages(device, restored) == want
