@@ -8,16 +8,21 @@ first was about half of that restore's host time (H200, 1 GiB: xxh3 37 ms and th
 already made in its own memory, and the store compares the results with the records'
 checksums before the restore returns (kvstore.deferred.DeferredPages.settle).
 
-kernels/page_hash.cu runs kernels/xxh3.cuh with eight threads per page (one accumulator
-lane each). It covers pages of at least MIN_NBYTES bytes (XXH3's long-input path);
+Two passes over kernels/xxh3.cuh: page_hash_blocks.cu sums what every whole 1024-byte
+block of every page adds to each of the eight accumulators, one thread per (page, block,
+lane), all in parallel (those sums never read an accumulator); page_hash.cu then folds
+them per page and lane (add and scramble, the serial part, 8 bytes per 1 KiB) and merges
+the eight lanes. A single pass with eight threads per page ran one page per thread serially
+at a few SMs' bandwidth for a layer's 32 pages. It covers pages of at least MIN_NBYTES
+bytes (XXH3's long-input path);
 shorter ones come back as (0, 0) and the store verifies those on the host. The reference
 is python-xxhash (the algorithm's own implementation): tests/kernels/test_page_hash.py
 compares the device kernel with it on CUDA, and the same .cuh compiled for the host with
 it everywhere, tolerance 0.
 
-Cost model: one read of the rows from device memory, about 1 GiB per millisecond-ish at
-HBM speed with 8 threads per page (not measured alone; the restore's figures are in
-docs/benchmarks.md).
+Cost model: one read of the rows from device memory (each 64-byte stripe's words are read
+by two lanes; the second read hits L1), plus sums of 1/128 of the rows' bytes written and
+read back; two launches per call. The restore's figures are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from kernels.quantize import cuda_available
 from kernels.sources import kernel_source, nvrtc_text
 
 MIN_NBYTES = 241  # KVSTORE_XXH3_MIN_NBYTES: XXH3 hashes shorter inputs another way
-THREADS = 256  # per block: 32 pages of 8 lanes
+THREADS = 256  # per threadgroup: whole warps, 8 lanes per page
 
 
 def page_hashes(rows: mx.array, row_nbytes: int, lengths: Sequence[int]) -> mx.array:
@@ -51,25 +56,39 @@ def page_hashes(rows: mx.array, row_nbytes: int, lengths: Sequence[int]) -> mx.a
     count = len(lengths)
     if count == 0:
         return mx.zeros((0, 2), mx.uint64)
-    threads = count * 8
-    (hashes,) = _kernel(row_nbytes)(
-        inputs=[rows.reshape(-1), mx.array(list(lengths), dtype=mx.uint32)],
-        grid=(-(-threads // THREADS) * THREADS, 1, 1),
-        threadgroup=(THREADS, 1, 1),
-        output_shapes=[(count, 2)],
-        output_dtypes=[mx.uint64])
+    blocks = (row_nbytes - 1) // 1024  # whole XXH3 blocks a full row holds
+    flat = rows.reshape(-1)
+    lengths_array = mx.array(list(lengths), dtype=mx.uint32)
+    template = (("ROW", row_nbytes), ("BLOCKS", max(1, blocks)))
+    if blocks:
+        (sums,) = _kernel("page_hash_blocks.cu", template)(
+            inputs=[flat, lengths_array],
+            grid=(_whole(count * blocks * 8), 1, 1), threadgroup=(THREADS, 1, 1),
+            output_shapes=[(count * blocks * 8,)], output_dtypes=[mx.uint64])
+    else:
+        sums = mx.zeros((1,), mx.uint64)
+    (hashes,) = _kernel("page_hash.cu", template)(
+        inputs=[flat, lengths_array, sums],
+        grid=(_whole(count * 8), 1, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(count, 2)], output_dtypes=[mx.uint64])
     return hashes
 
 
+def _whole(threads: int) -> int:
+    """threads rounded up to whole threadgroups (page_hash.cu's shuffles need whole warps)."""
+    return -(-threads // THREADS) * THREADS
+
+
 @lru_cache(maxsize=64)
-def _kernel(row_nbytes: int):
-    """kernels/page_hash.cu for one row pitch, baked in (launch.baked)."""
-    suffix, prefix = baked((("ROW", row_nbytes),))
+def _kernel(source: str, template: tuple):
+    """One of the two passes for one row pitch, its constants baked in (launch.baked)."""
+    suffix, prefix = baked(template)
+    first_pass = source == "page_hash_blocks.cu"
     return mx.fast.cuda_kernel(
-        name="kvstore_page_hashes" + suffix,
-        input_names=["rows", "lengths"],
-        output_names=["hashes"],
-        source=prefix + nvrtc_text(kernel_source("page_hash.cu")),
+        name=("kvstore_page_hash_blocks" if first_pass else "kvstore_page_hashes") + suffix,
+        input_names=["rows", "lengths"] if first_pass else ["rows", "lengths", "sums"],
+        output_names=["sums"] if first_pass else ["hashes"],
+        source=prefix + nvrtc_text(kernel_source(source)),
         header=nvrtc_text(kernel_source("xxh3.cuh")),
     )
 

@@ -2,8 +2,8 @@
 // every page record of the store carries (docs/format.md: big-endian high then low 64 bits,
 // as python-xxhash's xxh3_128_digest prints it). Written from the XXH3 specification
 // (xxHash's doc/xxhash_spec.md; the constants are the specification's), for
-// kernels/page_hash.py: one thread per accumulator lane, eight threads per page, so that a
-// GPU hashes pages it already holds instead of the host hashing them before the transfer.
+// kernels/page_hash.py, so that a GPU hashes pages it already holds instead of the host
+// hashing them before the transfer.
 //
 // The algorithm for len > 240 ("hashLong"): eight 64-bit accumulators; the input is cut
 // into 1024-byte blocks of 16 stripes of 64 bytes. Each stripe adds, to accumulator i,
@@ -12,7 +12,8 @@
 // then the input's last 64 bytes (secret offset 121) are accumulated, and the eight are
 // merged twice (secret offsets 11 and 117) into the low and high halves. Lanes never read
 // each other's accumulators before the merge, and additions mod 2^64 commute, so a lane is
-// a function of the input alone: kvstore_xxh3_lane().
+// a function of the input alone (kvstore_xxh3_lane), and what a block adds to it does not
+// depend on the accumulator (kvstore_xxh3_block): only the scrambles are serial.
 //
 // Compiles as CUDA (NVRTC: __CUDACC__ is defined) and as plain C++ (tests/kernels/
 // test_page_hash.py builds it with the host compiler and compares it with python-xxhash,
@@ -86,23 +87,47 @@ KVSTORE_XXH3_FN kvstore_u64 kvstore_xxh3_stripe(kvstore_u64 acc, const unsigned 
   return acc + swapped + (key & 0xFFFFFFFFULL) * (key >> 32);
 }
 
-// Accumulator `lane` after the whole input (len >= KVSTORE_XXH3_MIN_NBYTES).
-KVSTORE_XXH3_FN kvstore_u64 kvstore_xxh3_lane(const unsigned char* input, kvstore_u64 len, int lane) {
-  kvstore_u64 acc = kvstore_xxh3_init(lane);
-  const kvstore_u64 blocks = (len - 1) / KVSTORE_XXH3_BLOCK_NBYTES;
-  const kvstore_u64 scramble_key = kvstore_xxh3_read64(kvstore_xxh3_secret + 128 + 8 * lane);
-  for (kvstore_u64 n = 0; n < blocks; ++n) {
-    const unsigned char* block = input + n * KVSTORE_XXH3_BLOCK_NBYTES;
+// What one whole 1024-byte block adds to accumulator `lane`: its 16 stripes' terms, summed
+// (they never read the accumulator, so blocks can be summed in parallel, page_hash.cu).
+KVSTORE_XXH3_FN kvstore_u64 kvstore_xxh3_block(const unsigned char* block, int lane) {
+  kvstore_u64 sum = 0;
 #ifdef __CUDACC__
 #pragma unroll
 #endif
-    for (int s = 0; s < 16; ++s) acc = kvstore_xxh3_stripe(acc, block + 64 * s, 8 * s, lane);
-    acc = ((acc ^ (acc >> 47)) ^ scramble_key) * KVSTORE_XXH3_PRIME32_1;
-  }
+  for (int s = 0; s < 16; ++s) sum = kvstore_xxh3_stripe(sum, block + 64 * s, 8 * s, lane);
+  return sum;
+}
+
+// The scramble after each whole block (secret bytes 128.., one word per lane).
+KVSTORE_XXH3_FN kvstore_u64 kvstore_xxh3_scramble(kvstore_u64 acc, int lane) {
+  const kvstore_u64 key = kvstore_xxh3_read64(kvstore_xxh3_secret + 128 + 8 * lane);
+  return ((acc ^ (acc >> 47)) ^ key) * KVSTORE_XXH3_PRIME32_1;
+}
+
+// Whole blocks of an input of `len` bytes (the last block, whole or not, is the tail's).
+KVSTORE_XXH3_FN kvstore_u64 kvstore_xxh3_blocks(kvstore_u64 len) {
+  return (len - 1) / KVSTORE_XXH3_BLOCK_NBYTES;
+}
+
+// After the whole blocks: the last block's stripes, then the input's last 64 bytes.
+KVSTORE_XXH3_FN kvstore_u64 kvstore_xxh3_tail(kvstore_u64 acc, const unsigned char* input,
+                                              kvstore_u64 len, int lane) {
+  const kvstore_u64 blocks = kvstore_xxh3_blocks(len);
   const unsigned char* last_block = input + blocks * KVSTORE_XXH3_BLOCK_NBYTES;
   const int stripes = static_cast<int>(((len - 1) - blocks * KVSTORE_XXH3_BLOCK_NBYTES) / 64);
   for (int s = 0; s < stripes; ++s) acc = kvstore_xxh3_stripe(acc, last_block + 64 * s, 8 * s, lane);
   return kvstore_xxh3_stripe(acc, input + len - 64, 192 - 64 - 7, lane);
+}
+
+// Accumulator `lane` after the whole input (len >= KVSTORE_XXH3_MIN_NBYTES): the serial
+// form of what page_hash.cu computes in two passes.
+KVSTORE_XXH3_FN kvstore_u64 kvstore_xxh3_lane(const unsigned char* input, kvstore_u64 len, int lane) {
+  kvstore_u64 acc = kvstore_xxh3_init(lane);
+  const kvstore_u64 blocks = kvstore_xxh3_blocks(len);
+  for (kvstore_u64 n = 0; n < blocks; ++n) {
+    acc = kvstore_xxh3_scramble(acc + kvstore_xxh3_block(input + n * KVSTORE_XXH3_BLOCK_NBYTES, lane), lane);
+  }
+  return kvstore_xxh3_tail(acc, input, len, lane);
 }
 
 // The low 64 bits of a * b xor the high 64 bits (XXH3_mul128_fold64).
