@@ -14,6 +14,7 @@ within each round so that a slow moment of the machine falls on all of them:
                     The device hashes the pages it copied (restore.HASH_ON_DEVICE, the
                     default on CUDA: kernels/page_hash.py) ...
   ..., host hashes  ... or the host verifies every page before it copies it (as before)
+  ..., 16 readers   16 reader threads instead of 8 (STAGING_READ_WORKERS)
 
 Medians over --rounds. From the repository root:
   PYTHONPATH=$PWD python3 tools/bench/profile/issue19_groups.py [--rounds 7] [--quick] [--json F]
@@ -40,18 +41,19 @@ SHAPES = {
 }
 QUICK = Shape(layers=4, kv_heads=8, head_dim=64, tokens=1024, block_size_tokens=256)
 MiB = 2**20
-# (name, DEVICE_READ_GROUP_NBYTES, HASH_ON_DEVICE)
-VARIANTS = (("256 MiB groups", 256 * MiB, True), ("256 MiB groups, host hashes", 256 * MiB, False),
-            ("64 MiB groups", 64 * MiB, True), ("128 MiB groups", 128 * MiB, True),
-            ("one group", 2**62, True))
+# (name, DEVICE_READ_GROUP_NBYTES, HASH_ON_DEVICE, STAGING_READ_WORKERS)
+VARIANTS = (("256 MiB groups", 256 * MiB, True, 8), ("256 MiB groups, host hashes", 256 * MiB, False, 8),
+            ("64 MiB groups", 64 * MiB, True, 8), ("128 MiB groups", 128 * MiB, True, 8),
+            ("one group", 2**62, True, 8), ("256 MiB groups, 16 readers", 256 * MiB, True, 16))
 
 
 def run_shape(shape: Shape, rounds: int) -> dict:
     restore_mod = sys.modules["engine.restore"]  # the package's `restore` names the function
     model = engine_model(shape)
     prefix = Prefix(shape, model.identity)
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in VARIANTS}
-    default_groups, default_hashing = restore_mod.DEVICE_READ_GROUP_NBYTES, restore_mod.HASH_ON_DEVICE
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name, *_ in VARIANTS}
+    defaults = (restore_mod.DEVICE_READ_GROUP_NBYTES, restore_mod.HASH_ON_DEVICE,
+                restore_mod.STAGING_READ_WORKERS)
     with tempfile.TemporaryDirectory() as tmp, Store(f"{tmp}/store") as store:
         save_prefix(store, prefix)
         request = RestoreRequest(prefix.tokens + [0], namespace="bench")
@@ -69,15 +71,15 @@ def run_shape(shape: Shape, rounds: int) -> dict:
 
         try:
             for r in range(rounds + 1):  # round 0 warms every variant up, untimed
-                for name, group_nbytes, on_device in VARIANTS:
-                    restore_mod.DEVICE_READ_GROUP_NBYTES = group_nbytes
-                    restore_mod.HASH_ON_DEVICE = on_device
+                for name, group_nbytes, on_device, readers in VARIANTS:
+                    (restore_mod.DEVICE_READ_GROUP_NBYTES, restore_mod.HASH_ON_DEVICE,
+                     restore_mod.STAGING_READ_WORKERS) = group_nbytes, on_device, readers
                     sample = once()
                     if r:
                         samples[name].append(sample)
         finally:
-            restore_mod.DEVICE_READ_GROUP_NBYTES = default_groups
-            restore_mod.HASH_ON_DEVICE = default_hashing
+            (restore_mod.DEVICE_READ_GROUP_NBYTES, restore_mod.HASH_ON_DEVICE,
+             restore_mod.STAGING_READ_WORKERS) = defaults
     out = {"nbytes": shape.nbytes, "rounds": rounds}
     for name, rows in samples.items():
         host = statistics.median(h for h, _ in rows)
