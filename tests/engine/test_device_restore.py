@@ -22,6 +22,7 @@ from engine.policy import KVPolicy
 from engine.publish import publish
 from engine.restore import RestoreRequest, restore
 from kernels.page_hash import MIN_NBYTES
+from kernels.quantize import cuda_available
 from kvstore.errors import CopyDamaged, IntegrityError
 from kvstore.store import Store
 from tests.engine.factories import prompt_tokens, tiny_model
@@ -143,14 +144,20 @@ def test_the_device_read_goes_by_layer_groups_each_groups_copies_started_before_
             assert evals == list(range(1, groups + 1))  # each group's copies after its read
 
 
-def _device_hashes(monkeypatch, damage_row: int | None = None) -> list:
+def _device_hashes(monkeypatch, damage_row: int | None = None, kernel: bool = False) -> list:
     """The device hashes what it copied (restore.HASH_ON_DEVICE on "CUDA"): the work of
     kernels/page_hash.py done here by python-xxhash over the device copy's rows, which is
-    what the kernel must equal (tests/kernels/test_page_hash.py). damage_row: that row's
-    bytes are changed before they are hashed (a copy damaged on its way). Returns the
-    page count of every hash_rows entry hashed."""
+    what the kernel must equal (tests/kernels/test_page_hash.py); kernel=True (a CUDA GPU
+    only): the kernel itself, counted. damage_row: that row's bytes are changed before
+    they are hashed (a copy damaged on its way). Returns the page count of every
+    hash_rows entry hashed."""
     monkeypatch.setattr(sys.modules["engine.restore"], "cuda_available", lambda: True)
     counts = []
+    if kernel:
+        real = sys.modules["engine.pagecopy"].page_hashes
+        monkeypatch.setattr("engine.pagecopy.page_hashes",
+                            lambda rows, row, lengths: counts.append(len(lengths)) or real(rows, row, lengths))
+        return counts
 
     def host_page_hashes(rows, row_nbytes, lengths):
         data = np.array(rows)
@@ -184,7 +191,10 @@ def test_the_device_hashes_every_page_it_copies_and_the_store_settles_them(tmp_p
         assert sum(counts) == pages and sum(deferred) == pages and unfused == []
 
 
-def test_a_page_damaged_in_the_store_fails_the_device_check_and_is_quarantined(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kernel", [
+    False, pytest.param(True, marks=pytest.mark.skipif(not cuda_available(), reason="the page hash "
+                                                       "kernel needs a CUDA GPU; python-xxhash stands in"))])
+def test_a_page_damaged_in_the_store_fails_the_device_check_and_is_quarantined(tmp_path, monkeypatch, kernel):
     model = tiny_model("llama", mx.bfloat16)
     policy = KVPolicy(block_size_tokens=16)
     tokens = prompt_tokens(64, seed=64).tolist()
@@ -197,7 +207,7 @@ def test_a_page_damaged_in_the_store_fails_the_device_check_and_is_quarantined(t
         value = stored_value(store, victim)
     flip_bit(path, value, 8 * len(value) - 11)  # a stored byte: only its xxh3-128 can tell
     _device_backend(monkeypatch)
-    counts = _device_hashes(monkeypatch)
+    counts = _device_hashes(monkeypatch, kernel=kernel)
     with Store(path) as store:
         device = EngineModel(model, MODEL_ID, policy=policy)
         used_before = [pool.num_used_blocks for pool in device.pools]
