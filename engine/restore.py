@@ -93,8 +93,8 @@ from engine.pagecopy import (
 )
 from engine.pageread import STAGING_READ_CHUNK_NBYTES, STAGING_READ_WORKERS, read_into, read_pages
 from engine.publish import DEFAULT_NAMESPACE
-from kernels.quantize import cuda_available
 from engine.stock import ConvertedQuantizedKVCache, TrackedKVCache
+from kernels.quantize import cuda_available
 from kvstore.errors import IncompatibleFormat, NotFound
 from kvstore.format import FormatIdentity, diff
 from kvstore.protocol import PageReader
