@@ -599,7 +599,7 @@ def _read_fused(engine_model: EngineModel, store: PageReader, plan: _Plan, fetch
         read_into(store, digests, targets.copies.copy, page_nbytes)
     else:
         _read_into_staging(store, digests, lengths, targets.copies,
-                           [engine_model.pools[layer] for layer in paged], page_nbytes, lay_out)
+                           [engine_model.pools[layer] for layer in paged], lay_out)
     targets.copies.run()  # nothing but stand-ins was added: a no-op
     return sum(lengths)
 
@@ -627,7 +627,7 @@ DEVICE_READ_GROUP_NBYTES = 256 * 2**20
 
 
 def _read_into_staging(store: PageReader, digests: list, lengths: list[int], copies: DeferredCopies,
-                       pools: list, page_nbytes: int, lay_out) -> None:
+                       pools: list, lay_out) -> None:
     """The fused read on a device backend: every page into its pool's staging row
     (BlockPool.write_pages lays them out, one pool per layer; digests and their
     lengths layer-major), then the device's copies into the pools. The layers go in
@@ -642,6 +642,7 @@ def _read_into_staging(store: PageReader, digests: list, lengths: list[int], cop
     of a group are hashed as they land, and the store settles every page's hash before
     this returns (_settle)."""
     n = len(digests) // max(1, len(pools))
+    page_nbytes = max((pool.block_nbytes for pool in pools), default=1)
     checks, hashed = [], []  # (first read index, DeferredPages); (page indices, hashes)
 
     def read(first: int, last: int):
