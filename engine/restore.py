@@ -61,10 +61,8 @@ published bytes, byte for byte.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Sequence
@@ -587,19 +585,14 @@ def _read_fused(engine_model: EngineModel, store: PageReader, plan: _Plan, fetch
     lengths = [spec.page_nbytes(len(block.tokens)) for spec in specs for block in fetched]
     stand_ins = targets.copies.stand_ins(lengths)  # layer-major: layer j, block i at j * n + i
     page_nbytes = max((s.block_nbytes for s in specs), default=1)
-
-    def lay_out(j: int) -> None:
-        caches[paged[j]] = _layer_cache(engine_model, plan, paged[j], stand_ins[j * n : (j + 1) * n],
-                                        targets)
-
+    for j, layer in enumerate(paged):
+        caches[layer] = _layer_cache(engine_model, plan, layer, stand_ins[j * n : (j + 1) * n], targets)
     digests = [block.pages[j] for j in range(len(paged)) for block in fetched]
     if direct_writes():
-        for j in range(len(paged)):
-            lay_out(j)
         read_into(store, digests, targets.copies.copy, page_nbytes)
     else:
         _read_into_staging(store, digests, lengths, targets.copies,
-                           [engine_model.pools[layer] for layer in paged], lay_out)
+                           [engine_model.pools[layer] for layer in paged], page_nbytes)
     targets.copies.run()  # nothing but stand-ins was added: a no-op
     return sum(lengths)
 
@@ -627,83 +620,39 @@ DEVICE_READ_GROUP_NBYTES = 256 * 2**20
 
 
 def _read_into_staging(store: PageReader, digests: list, lengths: list[int], copies: DeferredCopies,
-                       pools: list, lay_out) -> None:
+                       pools: list, page_nbytes: int) -> None:
     """The fused read on a device backend: every page into its pool's staging row
-    (BlockPool.write_pages lays them out, one pool per layer; digests and their
+    (BlockPool.write_pages laid them out, one pool per layer; digests and their
     lengths layer-major), then the device's copies into the pools. The layers go in
-    groups of DEVICE_READ_GROUP_NBYTES: each group is laid out (lay_out(j) for each of
-    its layers j), then read (read_into in long runs on fewer threads,
-    engine/pageread.py; the store's own read_pages_into into the rows measured slower,
-    114.7 against 97.8 ms at 8B, its per-page index lookups run on one thread before its
-    copies start), then its pools' device copies start (mx.async_eval). With
-    PIPELINE_LAYOUT, a group's read runs on a thread of its own while the next group is
-    laid out: only the first group's layout waits. With copies.hash_on_device the store
-    leaves each page's xxh3-128 to the device (get_pages_deferred): the device's copies
-    of a group are hashed as they land, and the store settles every page's hash before
-    this returns (_settle)."""
+    groups of DEVICE_READ_GROUP_NBYTES: each group is read (read_into in long runs on
+    fewer threads, engine/pageread.py; the store's own read_pages_into into the rows
+    measured slower, 114.7 against 97.8 ms at 8B, its per-page index lookups run on
+    one thread before its copies start), then its pools' device copies start
+    (mx.async_eval), and the next group is read meanwhile. With copies.hash_on_device
+    the store leaves each page's xxh3-128 to the device (get_pages_deferred): the
+    device's copies of a group are hashed as they land, and the store settles every
+    page's hash before this returns (_settle)."""
     n = len(digests) // max(1, len(pools))
-    page_nbytes = max((pool.block_nbytes for pool in pools), default=1)
     checks, hashed = [], []  # (first read index, DeferredPages); (page indices, hashes)
-
-    def read(first: int, last: int):
-        """Group [first, last)'s read; returns what finish() takes."""
-        a, group_checks = first * n, ([] if copies.hash_on_device else None)
-        args = (store, digests[a : last * n], lambda i, page: copies.copy(a + i, page), page_nbytes,
-                STAGING_READ_WORKERS, STAGING_READ_CHUNK_NBYTES, group_checks)
-        done = _group_reader().submit(read_into, *args) if PIPELINE_LAYOUT else _done(read_into(*args))
-        return done, pools[first:last], a, group_checks
-
-    def finish(done, group, a, group_checks) -> None:
-        done.result()  # the read's error, if any, is raised here
+    first = 0
+    while first < len(pools):
+        last, nbytes = first, 0
+        while last < len(pools) and (last == first or nbytes < DEVICE_READ_GROUP_NBYTES):
+            nbytes += sum(lengths[last * n : (last + 1) * n])
+            last += 1
+        a, group, group_checks = first * n, pools[first:last], ([] if copies.hash_on_device else None)
+        read_into(store, digests[a : last * n], lambda i, page, at=a: copies.copy(at + i, page),
+                  page_nbytes, STAGING_READ_WORKERS, STAGING_READ_CHUNK_NBYTES, group_checks)
         started = [plane for pool in group for plane in pool.planes.values()]
         if group_checks is not None:
-            checks.extend((a + at, pages) for at, pages in group_checks)
+            checks += [(a + at, pages) for at, pages in group_checks]
             group_hashes = copies.device_hashes(group)
-            hashed.extend(group_hashes)
+            hashed += group_hashes
             started += [hashes for _, hashes in group_hashes]
         mx.async_eval(started)
-
-    pending, first = None, 0
-    try:
-        while first < len(pools):
-            last, nbytes = first, 0
-            while last < len(pools) and (last == first or nbytes < DEVICE_READ_GROUP_NBYTES):
-                nbytes += sum(lengths[last * n : (last + 1) * n])
-                lay_out(last)
-                last += 1
-            if pending is not None:
-                finish(*pending)
-            pending = read(first, last)
-            if not PIPELINE_LAYOUT:  # read already: its copies start before the next layout
-                finish(*pending)
-                pending = None
-            first = last
-        if pending is not None:
-            finish(*pending)
-            pending = None
-    finally:
-        if pending is not None:  # a layout failed while a read ran: let it end first
-            pending[0].exception()
+        first = last
     if copies.hash_on_device:
         _settle(checks, hashed, len(digests))
-
-
-# Whether a device restore lays out the next group of layers while the previous group is
-# read (_read_into_staging); the probe tools/bench/profile/issue19_groups.py compares.
-PIPELINE_LAYOUT = True
-
-
-@functools.lru_cache(maxsize=1)
-def _group_reader() -> ThreadPoolExecutor:
-    """The thread a pipelined device restore runs each group's read_into on (it waits on
-    read_into's own pool of readers); one per process, shared by restores."""
-    return ThreadPoolExecutor(4, thread_name_prefix="kv-group-read")
-
-
-def _done(result) -> Future:
-    done: Future = Future()
-    done.set_result(result)
-    return done
 
 
 def _settle(checks: list, hashed: list, count: int) -> None:

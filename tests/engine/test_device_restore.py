@@ -115,15 +115,12 @@ def test_a_damaged_page_fails_the_fused_device_read_and_frees_what_it_laid_out(t
         assert restored.tokens_restored == 32
 
 
-@pytest.mark.parametrize("pipelined", [True, False])
 def test_the_device_read_goes_by_layer_groups_each_groups_copies_started_before_the_next_read(
-        tmp_path, monkeypatch, pipelined):
+        tmp_path, monkeypatch):
     """Each staging row takes one whole page (one copy per page); the layers are read
     in groups of DEVICE_READ_GROUP_NBYTES, each group's device copies started before
-    the next group is read; bit-exact however the layers are grouped, and whether the
-    next group is laid out while one is read (PIPELINE_LAYOUT) or after."""
+    the next group is read; bit-exact however the layers are grouped."""
     restore_module = sys.modules["engine.restore"]
-    monkeypatch.setattr(restore_module, "PIPELINE_LAYOUT", pipelined)
     with _published(tmp_path, "native", 70, seed=62) as (store, engine_model, tokens, want):
         _device_backend(monkeypatch)
         reads, evals = [], []

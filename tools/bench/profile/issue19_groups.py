@@ -14,8 +14,7 @@ within each round so that a slow moment of the machine falls on all of them:
                     The device hashes the pages it copied (restore.HASH_ON_DEVICE, the
                     default on CUDA: kernels/page_hash.py) ...
   ..., host hashes  ... or the host verifies every page before it copies it (as before)
-  layout first      every group laid out before its read, none while the previous one is
-                    read (restore.PIPELINE_LAYOUT False; as before)
+  ..., 16 readers   16 reader threads instead of 8 (STAGING_READ_WORKERS)
 
 Medians over --rounds. From the repository root:
   PYTHONPATH=$PWD python3 tools/bench/profile/issue19_groups.py [--rounds 7] [--quick] [--json F]
@@ -42,12 +41,10 @@ SHAPES = {
 }
 QUICK = Shape(layers=4, kv_heads=8, head_dim=64, tokens=1024, block_size_tokens=256)
 MiB = 2**20
-# (name, DEVICE_READ_GROUP_NBYTES, HASH_ON_DEVICE, PIPELINE_LAYOUT)
-VARIANTS = (("256 MiB groups", 256 * MiB, True, True),
-            ("256 MiB groups, layout first", 256 * MiB, True, False),
-            ("256 MiB groups, host hashes, layout first", 256 * MiB, False, False),
-            ("128 MiB groups", 128 * MiB, True, True), ("64 MiB groups", 64 * MiB, True, True),
-            ("one group", 2**62, True, True))
+# (name, DEVICE_READ_GROUP_NBYTES, HASH_ON_DEVICE, STAGING_READ_WORKERS)
+VARIANTS = (("256 MiB groups", 256 * MiB, True, 8), ("256 MiB groups, host hashes", 256 * MiB, False, 8),
+            ("64 MiB groups", 64 * MiB, True, 8), ("128 MiB groups", 128 * MiB, True, 8),
+            ("one group", 2**62, True, 8), ("256 MiB groups, 16 readers", 256 * MiB, True, 16))
 
 
 def run_shape(shape: Shape, rounds: int) -> dict:
@@ -56,7 +53,7 @@ def run_shape(shape: Shape, rounds: int) -> dict:
     prefix = Prefix(shape, model.identity)
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name, *_ in VARIANTS}
     defaults = (restore_mod.DEVICE_READ_GROUP_NBYTES, restore_mod.HASH_ON_DEVICE,
-                restore_mod.PIPELINE_LAYOUT)
+                restore_mod.STAGING_READ_WORKERS)
     with tempfile.TemporaryDirectory() as tmp, Store(f"{tmp}/store") as store:
         save_prefix(store, prefix)
         request = RestoreRequest(prefix.tokens + [0], namespace="bench")
@@ -74,15 +71,15 @@ def run_shape(shape: Shape, rounds: int) -> dict:
 
         try:
             for r in range(rounds + 1):  # round 0 warms every variant up, untimed
-                for name, group_nbytes, on_device, pipelined in VARIANTS:
+                for name, group_nbytes, on_device, readers in VARIANTS:
                     (restore_mod.DEVICE_READ_GROUP_NBYTES, restore_mod.HASH_ON_DEVICE,
-                     restore_mod.PIPELINE_LAYOUT) = group_nbytes, on_device, pipelined
+                     restore_mod.STAGING_READ_WORKERS) = group_nbytes, on_device, readers
                     sample = once()
                     if r:
                         samples[name].append(sample)
         finally:
             (restore_mod.DEVICE_READ_GROUP_NBYTES, restore_mod.HASH_ON_DEVICE,
-             restore_mod.PIPELINE_LAYOUT) = defaults
+             restore_mod.STAGING_READ_WORKERS) = defaults
     out = {"nbytes": shape.nbytes, "rounds": rounds}
     for name, rows in samples.items():
         host = statistics.median(h for h, _ in rows)
@@ -109,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         out[size] = run_shape(shape, args.rounds)
         for name, row in out[size].items():
             if isinstance(row, dict):
-                print(f"{size:>5} {name:<42} total {row['total_ms']:8.2f} ms (host {row['host_ms']:.2f}, "
+                print(f"{size:>5} {name:<27} total {row['total_ms']:8.2f} ms (host {row['host_ms']:.2f}, "
                       f"tail {row['tail_ms']:.2f}; min-max {row['total_min_max_ms']})", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
