@@ -373,7 +373,7 @@ class Store:
         damaged: list[tuple[PageDigest, str]] = []
         with self.index.read(buffers=True) as index:
             if self.schema_version == SCHEMA_V2:
-                views = _verified_segment_views(index, wanted, damaged)
+                views, _ = _segment_views(index, wanted, damaged)
             else:
                 views = []
                 for d in wanted:
@@ -405,7 +405,7 @@ class Store:
         wanted = [PageDigest.coerce(d) for d in digests]
         damaged: list[tuple[PageDigest, str]] = []
         with self.index.read(buffers=True) as index:
-            views, expected = _segment_views_deferred(index, wanted, damaged)
+            views, expected = _segment_views(index, wanted, damaged, defer=True)
             if not damaged:
                 yield DeferredPages(wanted, views, expected, self._recheck)
                 return
@@ -722,35 +722,18 @@ def _raise_absent(index: StoreIndex, d: PageDigest):
     raise NotFound(f"page {d.hex()} is not stored")
 
 
-def _verified_segment_views(index: StoreIndex, wanted: list, damaged: list) -> list:
-    """Schema 2, get_pages' loop: per page one index get, one view of its segment record
-    and one parse of its header (kvstore/segments.py verify_record: the record header's
-    magic, reserved bytes, checksum and full digest, and every check verify_stored makes
-    of the page value: its header, digest prefix, lengths, xxh3-128). Pages that fail go to `damaged`
-    (digest, reason); the rest are returned in order. Per page this is the least Python
-    that verifies it: callers read from many threads, and this loop holds the GIL."""
-    segments = index.segments
-    views = []
-    for d in wanted:
-        location = index.location(d)
-        if location is None:
-            if not index.has_page(d):
-                _raise_absent(index, d)
-            damaged.append((d, "its location does not parse"))
-            continue
-        try:
-            header, body = verify_record(segments.view(location), d, location)
-            views.append(decode_stored(header, body))
-        except ValueError as exc:
-            damaged.append((d, str(exc)))
-    return views
-
-
-def _segment_views_deferred(index: StoreIndex, wanted: list, damaged: list
-                            ) -> tuple[list, list[bytes | None]]:
-    """_verified_segment_views without the xxh3-128 of the raw records the device hashes:
-    (views, expected), expected[i] the checksum views[i] owes, or None where it was
-    verified here (a zstd frame, decoded here; a record under MIN_DEFERRED_NBYTES)."""
+def _segment_views(index: StoreIndex, wanted: list, damaged: list, *, defer: bool = False
+                   ) -> tuple[list, list[bytes | None]]:
+    """Schema 2, the loop of get_pages (and get_pages_deferred): per page one index get,
+    one view of its segment record and one parse of its header (kvstore/segments.py
+    verify_record: the record header's magic, reserved bytes, checksum and full digest,
+    and every check verify_stored makes of the page value: its header, digest prefix,
+    lengths, xxh3-128). Pages that fail go to `damaged` (digest, reason); the rest are
+    returned in order, as (views, expected). With `defer`, a raw record of at least
+    MIN_DEFERRED_NBYTES is checked in everything but its xxh3-128, which expected[i]
+    names for the caller (kvstore/deferred.py); every other page is verified here and
+    owes nothing (None). Per page this is the least Python that verifies it: callers
+    read from many threads, and this loop holds the GIL."""
     segments = index.segments
     views, expected = [], []
     for d in wanted:
@@ -762,12 +745,13 @@ def _segment_views_deferred(index: StoreIndex, wanted: list, damaged: list
             continue
         try:
             view = segments.view(location)
-            header, body = verify_record(view, d, location, hash_body=False)
-            if header.codec == CODEC_RAW and header.stored_nbytes >= MIN_DEFERRED_NBYTES:
-                views.append(body)
-                expected.append(header.xxh3)
-                continue
-            header, body = verify_record(view, d, location)
+            header, body = verify_record(view, d, location, hash_body=not defer)
+            if defer:
+                if header.codec == CODEC_RAW and header.stored_nbytes >= MIN_DEFERRED_NBYTES:
+                    views.append(body)
+                    expected.append(header.xxh3)
+                    continue
+                header, body = verify_record(view, d, location)  # a zstd or short page
             views.append(decode_stored(header, body))
             expected.append(None)
         except ValueError as exc:

@@ -41,7 +41,7 @@ import logging
 import threading
 import time
 from concurrent.futures import as_completed
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from typing import Iterable, Iterator, Mapping, Sequence
 
@@ -510,25 +510,23 @@ class TieredStore:
         if absent:
             raise NotFound(f"page {absent[0].hex()} is neither stored locally nor in the bucket")
 
-    @contextmanager
-    def get_pages(self, digests: Sequence) -> Iterator[list]:
-        with ExitStack() as stack:
-            try:
-                views = stack.enter_context(self.local.get_pages(digests))
-            except NotFound:
-                self._ensure_pages(digests)
-                views = stack.enter_context(self.local.get_pages(digests))
-            yield views
+    def get_pages(self, digests: Sequence) -> AbstractContextManager[list]:
+        return self._pulled_first(self.local.get_pages, digests)
+
+    def get_pages_deferred(self, digests: Sequence) -> AbstractContextManager[DeferredPages]:
+        """The local store's deferred read (kvstore/deferred.py), pages pulled first."""
+        return self._pulled_first(self.local.get_pages_deferred, digests)
 
     @contextmanager
-    def get_pages_deferred(self, digests: Sequence) -> Iterator[DeferredPages]:
-        """The local store's deferred read (kvstore/deferred.py), pages pulled first."""
+    def _pulled_first(self, read, digests: Sequence) -> Iterator:
+        """The local store's read (get_pages or get_pages_deferred), the pages it lacks
+        pulled from the bucket first."""
         with ExitStack() as stack:
             try:
-                pages = stack.enter_context(self.local.get_pages_deferred(digests))
+                pages = stack.enter_context(read(digests))
             except NotFound:
                 self._ensure_pages(digests)
-                pages = stack.enter_context(self.local.get_pages_deferred(digests))
+                pages = stack.enter_context(read(digests))
             yield pages
 
     def read_pages(self, digests: Sequence) -> list[bytes]:
