@@ -12,8 +12,9 @@ Two passes over kernels/xxh3.cuh: page_hash_blocks.cu sums what every whole 1024
 block of every page adds to each of the eight accumulators, one thread per (page, block,
 lane), all in parallel (those sums never read an accumulator); page_hash.cu then folds
 them per page and lane (add and scramble, the serial part, 8 bytes per 1 KiB) and merges
-the eight lanes. (One pass with eight threads per page would give a layer's 32 pages of an
-8B-shaped model 256 threads in all, each reading 1 MiB in order; not built.) Pages of at
+the eight lanes. (The first version, one pass with eight threads per page, gave a layer's 32
+pages of an 8B-shaped model 256 threads in all, each reading 1 MiB in order; it was
+replaced before it ever ran on a GPU, so the two were not compared.) Pages of at
 least MIN_NBYTES bytes are covered (XXH3's long-input path); shorter ones come back as
 (0, 0) and the store verifies those on the host. The reference is python-xxhash (the
 algorithm's own implementation): tests/kernels/test_page_hash.py compares the kernel with it
