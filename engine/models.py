@@ -156,6 +156,21 @@ def _check(model: nn.Module) -> PagedAttentionCheck:
     return PagedAttentionCheck(True)
 
 
+_ROUTED_BY: dict[int, tuple[weakref.ref, tuple[str, ...]]] = {}
+
+
+def _routed_by(model: nn.Module) -> tuple[str, ...]:
+    """model_modules(model), once per model object: the walk over its modules costs
+    about 1 ms a call on a fast host (2-core CPU: 3.5 ms), and make_cache runs on every
+    restore."""
+    hit = _ROUTED_BY.get(id(model))
+    if hit is not None and hit[0]() is model:
+        return hit[1]
+    names, key = tuple(model_modules(model)), id(model)
+    _ROUTED_BY[key] = (weakref.ref(model, lambda _: _ROUTED_BY.pop(key, None)), names)
+    return names
+
+
 def make_cache(model: nn.Module, policy: KVPolicy | None = None, *,
                pools: list[BlockPool | None] | None = None,
                attention_impl: str | None = "auto", grant=None) -> list:
@@ -178,7 +193,7 @@ def make_cache(model: nn.Module, policy: KVPolicy | None = None, *,
     if pools is None:
         pools = make_pools(model, policy)
     routed = attention_impl != GATHERED and check_paged_attention(model).routed
-    routed_by = tuple(model_modules(model)) if routed else ()
+    routed_by = _routed_by(model) if routed else ()
     caches = []
     for index, (layer, cache, pool) in enumerate(zip(geometry, stock, pools, strict=True)):
         if layer.kind != "full":
