@@ -465,11 +465,21 @@ class StoreIndex:
         return self.txn.get(bytes(key), db=self.dbs["blocks"]) is not None
 
     def complete_block(self, key: bytes) -> BlockRecord | None:
-        """The block's record when it is stored and every page it names is present
-        (quarantine moves a page out of `pages`); else None. Presence only: no page
-        value is copied or hashed."""
-        record = self.block(key)  # decoded (copied) before any other get
+        """The block's record when it is stored, was stored under its own key, and
+        every page it names is present (quarantine moves a page out of `pages`); else
+        None. Presence only: no page value is copied or hashed."""
+        record = self.verified_block(key)  # decoded (copied) before any other get
         if record is None or not all(self.has_page(d) for d in record.pages):
+            return None
+        return record
+
+    def verified_block(self, key: bytes) -> BlockRecord | None:
+        """block(key), or None when the record found there hashes to another chain key
+        (BlockRecord.key derives it from the record's own fields): a record written
+        under the wrong key names another prompt's pages, and is never served. check
+        reports it as block_bad."""
+        record = self.block(key)
+        if record is None or record.key != bytes(key):
             return None
         return record
 

@@ -537,9 +537,10 @@ class Store:
 
     def find_blocks(self, keys: Sequence) -> list[BlockRecord | None]:
         """The stored record of each key, or None: record presence only (a record whose
-        pages are damaged is still returned; has_blocks says whether it is complete)."""
+        pages are damaged is still returned; has_blocks says whether it is complete). A
+        record stored under a key it does not hash to reads as None (verified_block)."""
         with self.index.read() as index:
-            return [index.block(ChainKey.coerce(k)) for k in keys]
+            return [index.verified_block(ChainKey.coerce(k)) for k in keys]
 
     def has_blocks(self, keys: Sequence) -> list[bool]:
         """One bool per key: True only when the block's record is stored and every page

@@ -260,3 +260,29 @@ def make_fixture(out_dir: Path = TESTDATA) -> Path:
     target.write_bytes(zstandard.ZstdCompressor(level=19).compress(_files(work)))
     shutil.rmtree(work)
     return target
+
+
+def test_a_block_record_stored_under_another_blocks_key_is_never_matched(tmp_path):
+    """A block record's key is derived from its content (BlockRecord.key) and looked up
+    by the key the prompt's tokens give. A record found under a key it does not hash to
+    (another prompt's block, written there by damage or a bug) names another prompt's
+    pages: the lookup stops before it, as before a damaged block, and never serves it."""
+    identity = make_identity()
+    a, b = list(range(100, 113)), list(range(500, 513))
+    with make_store(tmp_path / "s") as store:
+        saved_a = save_prefix(store, identity, "ns", a)
+        saved_b = save_prefix(store, identity, "ns", b)
+        key_a1, key_b1 = saved_a.records[1].key, saved_b.records[1].key
+
+        def swap(txn, dbs):
+            txn.put(bytes(key_a1), txn.get(bytes(key_b1), db=dbs["blocks"]), db=dbs["blocks"])
+
+        store.lmdb.write(swap)
+        stopped = store.stats().lookups_stopped_at_damage
+        match = store.lookup_prefix(identity.format_id, "ns", a)
+        assert [r.key for r in match.blocks] == [saved_a.records[0].key]
+        assert match.tokens_matched == identity.block_size_tokens
+        assert store.stats().lookups_stopped_at_damage == stopped + 1
+        assert store.has_blocks([key_a1]) == [False]
+        assert [r and r.key for r in store.find_blocks([key_a1, key_b1])] == [None, key_b1]
+        assert restore_prefix(store, identity, "ns", b)[0] == len(b)  # b is untouched
