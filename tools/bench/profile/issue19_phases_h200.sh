@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 19 on the H200 (or H100): where the device restore's time goes, the read's group
-# and run sizes, and TTFT against an older tree. Run from the repository root on the
+# sizes, and TTFT against an older tree. Run from the repository root on the
 # device machine, after the MLX install of /work/shared/gpu/README.md (done here if
 # /root/site is missing and .whl/b is carried); results and logs under $OUT. Each step
 # runs when its switch is 1 (GROUP_PROBE, not GROUPS: bash's own GROUPS ignores assignment):
