@@ -666,7 +666,7 @@ class StoreIndex:
     def validate_checkpoint(self, c: Checkpoint, identity: FormatIdentity) -> None:
         missing, parent, tokens = [], ROOT_KEY, []
         for k in c.chain_keys:
-            record = self.verified_block(k)
+            record = self.block(k)
             if record is None or record.namespace != c.namespace:
                 missing.append(f"block {k.hex()}")  # another namespace's reads as absent
                 continue

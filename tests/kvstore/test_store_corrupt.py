@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from kvstore.errors import StoreCorrupt
+from kvstore.errors import InvalidInput, StoreCorrupt
 from kvstore.lmdbenv import LmdbEnv
+from kvstore.records import Checkpoint
 from kvstore.store import Store
 from tests.kvstore.factories import make_identity, make_store, restore_prefix, save_prefix
 from tests.tools.helpers import run
@@ -285,4 +286,7 @@ def test_a_block_record_stored_under_another_blocks_key_is_never_matched(tmp_pat
         assert store.stats().lookups_stopped_at_damage == stopped + 1
         assert store.has_blocks([key_a1]) == [False]
         assert [r and r.key for r in store.find_blocks([key_a1, key_b1])] == [None, key_b1]
+        with pytest.raises(InvalidInput, match=key_a1.short):  # nor checkpointed
+            store.create_checkpoint(Checkpoint("a", "ns", identity.format_id, tuple(a),
+                                               tuple(r.key for r in saved_a.records)))
         assert restore_prefix(store, identity, "ns", b)[0] == len(b)  # b is untouched
