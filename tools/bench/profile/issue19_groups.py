@@ -92,13 +92,18 @@ def run_shape(shape: Shape, rounds: int) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=7)
+def probe_parser(doc: str, rounds: int) -> argparse.ArgumentParser:
+    """The arguments the issue 19 restore probes share: --rounds, --sizes, --quick, --json."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--sizes", nargs="+", default=["8b", "1b"], choices=sorted(SHAPES))
     parser.add_argument("--quick", action="store_true", help="a 4-layer 16 MiB prefix (a smoke run)")
     parser.add_argument("--json", help="write the figures here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = probe_parser(__doc__, rounds=7).parse_args(argv)
     print(f"device {mx.default_device()}, mlx {mx.__version__}", file=sys.stderr)
     out = {}
     for size in (["quick"] if args.quick else args.sizes):

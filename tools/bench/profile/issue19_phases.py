@@ -30,7 +30,6 @@ tests/engine/test_device_restore.py does): a smoke run; its figures mean nothing
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -46,8 +45,9 @@ from engine import RestoreRequest, restore
 from engine.pagecopy import DeviceStaging, device_copy
 from engine.pageread import STAGING_READ_CHUNK_NBYTES, STAGING_READ_WORKERS, read_into
 from engine.pool import BlockPool
+from kvstore.ids import page_digest
 from kvstore.store import Store
-from tools.bench.profile.issue19_groups import QUICK, SHAPES
+from tools.bench.profile.issue19_groups import QUICK, SHAPES, probe_parser
 from tools.bench.store import Prefix, Shape, engine_model, save_prefix
 
 RESTORE = sys.modules["engine.restore"]  # the package's `restore` names the function
@@ -104,12 +104,10 @@ def _threaded_copy(dst: np.ndarray, src: np.ndarray, workers: int = 8) -> None:
 
 def limits(store: Store, prefix: Prefix, rounds: int) -> dict:
     """The host copy, read floor and bus copy of the prefix's bytes, medians."""
-    digests = [p for row in prefix.pages for p in row]
-    from kvstore.pages import PageDigest  # noqa: PLC0415 (the probe's only use)
-    import blake3  # noqa: PLC0415
-    names = [PageDigest(blake3.blake3(page).digest()) for page in digests]
-    page_nbytes = max(len(p) for p in digests)
-    nbytes = sum(len(p) for p in digests)
+    pages = [p for row in prefix.pages for p in row]
+    names = [page_digest(page) for page in pages]
+    page_nbytes = max(len(p) for p in pages)
+    nbytes = sum(len(p) for p in pages)
     src = np.empty(nbytes, dtype=np.uint8)
     src[:] = 1
     staging = DeviceStaging()
@@ -168,13 +166,9 @@ def run_shape(shape: Shape, rounds: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--sizes", nargs="+", default=["8b", "1b"], choices=sorted(SHAPES))
-    parser.add_argument("--quick", action="store_true", help="a 4-layer 16 MiB prefix (a smoke run)")
+    parser = probe_parser(__doc__, rounds=5)
     parser.add_argument("--device-path", action="store_true",
                         help="the staging path on a CPU too (a smoke run)")
-    parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     if args.device_path:
         import engine.cache  # noqa: PLC0415
