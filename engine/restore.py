@@ -608,15 +608,43 @@ def _hash_on_device() -> bool:
     return HASH_ON_DEVICE and not direct_writes() and cuda_available()
 
 
-# A device restore reads its layers in groups of at least this many bytes, each group's
-# device copies started as soon as its pages are in staging, so that they overlap the
-# next group's read (_read_into_staging). H200, 8K tokens, the restore with its device
+# A device restore reads its layers in groups of at most about this many bytes, each
+# group's device copies started as soon as its pages are in staging, so that they overlap
+# the next group's read (_read_into_staging). H200, 8K tokens, the restore with its device
 # copies (tools/bench/profile/issue19_groups.py, medians of 5-6, three runs): 8B-shaped
 # (1 GiB) in 256 MiB groups 97.8 ms against 110.7 in one group and 100.2 in 128 MiB
 # groups; 1B-shaped (256 MiB, so one group) 41.8 ms, in 128 MiB groups 39.9, in 64 MiB
 # groups 42.7-43.2: each group costs the host about 2 ms, the device's copies (about 21
 # ms per GiB, over the bus) hide behind the next group's read.
 DEVICE_READ_GROUP_NBYTES = 256 * 2**20
+# ... and with this set, the groups taper towards the end: the last group holds at least
+# this many bytes and each group before it at least twice the one after it (up to the size
+# above), so that the device's copies and hashes of the last group, which nothing overlaps,
+# are short (on the H200 the 1B-shaped restore, 256 MiB in one group, waited 7.2 ms for
+# them after a 14 ms read: docs/benchmarks.md "2026-12-07, later"). None: equal groups.
+# Off: on an H100, whose host reads at a third of the H200's speed, tapering to 16-64 MiB
+# was no faster than equal groups within the spread (docs/benchmarks.md "2026-12-07,
+# night"); no H200 could be had to measure it where the settle is a quarter of the restore
+# (tools/bench/profile/issue19_groups.py compares them).
+DEVICE_READ_LAST_NBYTES: int | None = None
+
+
+def read_groups(layer_nbytes: Sequence[int], largest: int, last: int | None) -> list[tuple[int, int]]:
+    """(first, stop) layer ranges covering every layer, in order, laid out from the end:
+    groups of at least `largest` bytes, or with `last` (DEVICE_READ_LAST_NBYTES) a last
+    group of at least `last` bytes and each one before it at least twice the one after
+    it, up to `largest`. The first group takes what is left, however little."""
+    bounds, stop, want = [], len(layer_nbytes), (largest if last is None else min(last, largest))
+    while stop > 0:
+        first, nbytes = stop - 1, layer_nbytes[stop - 1]
+        while first > 0 and nbytes < want:
+            first -= 1
+            nbytes += layer_nbytes[first]
+        bounds.append((first, stop))
+        stop = first
+        if last is not None:
+            want = min(largest, 2 * nbytes)
+    return bounds[::-1]
 
 
 def _read_into_staging(store: PageReader, digests: list, lengths: list[int], copies: DeferredCopies,
@@ -624,7 +652,8 @@ def _read_into_staging(store: PageReader, digests: list, lengths: list[int], cop
     """The fused read on a device backend: every page into its pool's staging row
     (BlockPool.write_pages laid them out, one pool per layer; digests and their
     lengths layer-major), then the device's copies into the pools. The layers go in
-    groups of DEVICE_READ_GROUP_NBYTES: each group is read (read_into in long runs on
+    groups (read_groups: DEVICE_READ_GROUP_NBYTES, tapering to DEVICE_READ_LAST_NBYTES
+    at the end): each group is read (read_into in long runs on
     fewer threads, engine/pageread.py; the store's own read_pages_into into the rows
     measured slower, 114.7 against 97.8 ms at 8B, its per-page index lookups run on
     one thread before its copies start), then its pools' device copies start
@@ -634,12 +663,8 @@ def _read_into_staging(store: PageReader, digests: list, lengths: list[int], cop
     page's hash before this returns (_settle)."""
     n = len(digests) // max(1, len(pools))
     checks, hashed = [], []  # (first read index, DeferredPages); (page indices, hashes)
-    first = 0
-    while first < len(pools):
-        last, nbytes = first, 0
-        while last < len(pools) and (last == first or nbytes < DEVICE_READ_GROUP_NBYTES):
-            nbytes += sum(lengths[last * n : (last + 1) * n])
-            last += 1
+    layer_nbytes = [sum(lengths[j * n : (j + 1) * n]) for j in range(len(pools))]
+    for first, last in read_groups(layer_nbytes, DEVICE_READ_GROUP_NBYTES, DEVICE_READ_LAST_NBYTES):
         a, group, group_checks = first * n, pools[first:last], ([] if copies.hash_on_device else None)
         read_into(store, digests[a : last * n], lambda i, page, at=a: copies.copy(at + i, page),
                   page_nbytes, STAGING_READ_WORKERS, STAGING_READ_CHUNK_NBYTES, group_checks)
@@ -650,7 +675,6 @@ def _read_into_staging(store: PageReader, digests: list, lengths: list[int], cop
             hashed += group_hashes
             started += [hashes for _, hashes in group_hashes]
         mx.async_eval(started)
-        first = last
     if copies.hash_on_device:
         _settle(checks, hashed, len(digests))
 

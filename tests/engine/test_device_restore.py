@@ -132,16 +132,40 @@ def test_the_device_read_goes_by_layer_groups_each_groups_copies_started_before_
         device = engine_model()
         layers = len(device.identity.paged_layers)
         assert layers >= 2, "the tiny model needs two layers to make two groups"
-        for group_nbytes, groups in ((1 << 30, 1), (1, layers)):  # one group; one per layer
+        layer = sum(len(p) for p in want[0])  # the bytes of one layer's pages
+        # one group; one per layer; tapered: a last group of one layer, the rest before it
+        for group_nbytes, last, sizes in ((1 << 30, None, [layers]), (1, None, [1] * layers),
+                                          (1 << 30, layer, [layers - 1, 1])):
             reads.clear()
             evals.clear()
             monkeypatch.setattr(restore_module, "DEVICE_READ_GROUP_NBYTES", group_nbytes)
+            monkeypatch.setattr(restore_module, "DEVICE_READ_LAST_NBYTES", last)
             restored = restore(device, store, RestoreRequest(tokens + [1]))
             assert _pool_pages(device, restored) == want  # tolerance 0
             for cache in restored.cache:
                 cache.free()
-            assert reads == [5 * layers // groups] * groups  # 5 blocks of each layer
-            assert evals == list(range(1, groups + 1))  # each group's copies after its read
+            assert reads == [5 * n for n in sizes]  # 5 blocks of each layer
+            assert evals == list(range(1, len(sizes) + 1))  # each group's copies after its read
+
+
+@pytest.mark.parametrize("layers, layer_mib, largest, last, want", [
+    (16, 16, 256, 32, [2, 8, 4, 2]),  # the 1B-shaped prefix at 8K: 32, 128, 64, 32 MiB
+    (32, 32, 256, 32, [1, 8, 8, 8, 4, 2, 1]),  # 8B-shaped: 256 MiB at most
+    (16, 16, 256, None, [16]),  # equal groups
+    (32, 32, 256, None, [8, 8, 8, 8]),
+    (5, 16, 32, None, [1, 2, 2]),  # equal groups leave the remainder to the first
+    (3, 16, 256, 512, [3]),  # a last group larger than the largest: the largest
+    (1, 16, 256, 32, [1]),
+    (0, 16, 256, 32, []),
+])
+def test_read_groups_taper_towards_the_end(layers, layer_mib, largest, last, want):
+    """read_groups: consecutive layer ranges covering every layer once, in order, sized
+    from the end (DEVICE_READ_LAST_NBYTES doubling up to DEVICE_READ_GROUP_NBYTES)."""
+    mib = 2**20
+    bounds = sys.modules["engine.restore"].read_groups(
+        [layer_mib * mib] * layers, largest * mib, None if last is None else last * mib)
+    assert [stop - first for first, stop in bounds] == want
+    assert [first for first, _ in bounds] == [sum(want[:i]) for i in range(len(want))]
 
 
 def _device_hashes(monkeypatch, damage_row: int | None = None, kernel: bool = False) -> list:

@@ -6,15 +6,17 @@ of 8 KV heads of 128, block 256) and a 1B-shaped one (256 MiB: 16 layers of 8 he
 returning (host) and then mx.synchronize (the device's tail). Variants, in rotation
 within each round so that a slow moment of the machine falls on all of them:
 
-  G MiB groups      the committed path (256 MiB): each group of layers of at least G MiB
-                    read into the pools' staging rows by engine/pageread.py read_into
-                    (64 MiB of pages per get_pages on 8 threads), its device copies
-                    started before the next group is read (engine/restore.py
-                    DEVICE_READ_GROUP_NBYTES); "one group": all layers, then the copies.
-                    The device hashes the pages it copied (restore.HASH_ON_DEVICE, the
-                    default on CUDA: kernels/page_hash.py) ...
-  ..., host hashes  ... or the host verifies every page before it copies it (as before)
-  ..., 16 readers   16 reader threads instead of 8 (STAGING_READ_WORKERS)
+  G MiB groups      each group of layers of at least G MiB read into the pools' staging
+                    rows by engine/pageread.py read_into (64 MiB of pages per get_pages
+                    on 8 threads), its device copies started before the next group is
+                    read (engine/restore.py DEVICE_READ_GROUP_NBYTES, with
+                    DEVICE_READ_LAST_NBYTES None; 256 MiB is the committed path);
+                    the device hashes the pages it copied
+                    (restore.HASH_ON_DEVICE, the default on CUDA: kernels/page_hash.py)
+  tapered to T MiB  the same, the groups laid out from the end: a last group of at
+                    least T MiB, each one before it twice the one after it, up to 256 MiB
+                    (DEVICE_READ_LAST_NBYTES)
+  ..., host hashes  the host verifies every page before it copies it (HASH_ON_DEVICE off)
 
 Medians over --rounds. From the repository root:
   PYTHONPATH=$PWD python3 tools/bench/profile/issue19_groups.py [--rounds 7] [--quick] [--json F]
@@ -41,10 +43,12 @@ SHAPES = {
 }
 QUICK = Shape(layers=4, kv_heads=8, head_dim=64, tokens=1024, block_size_tokens=256)
 MiB = 2**20
-# (name, DEVICE_READ_GROUP_NBYTES, HASH_ON_DEVICE, STAGING_READ_WORKERS)
-VARIANTS = (("256 MiB groups", 256 * MiB, True, 8), ("256 MiB groups, host hashes", 256 * MiB, False, 8),
-            ("64 MiB groups", 64 * MiB, True, 8), ("128 MiB groups", 128 * MiB, True, 8),
-            ("one group", 2**62, True, 8), ("256 MiB groups, 16 readers", 256 * MiB, True, 16))
+# (name, DEVICE_READ_GROUP_NBYTES, DEVICE_READ_LAST_NBYTES, HASH_ON_DEVICE)
+VARIANTS = (("256 MiB groups", 256 * MiB, None, True), ("tapered to 32 MiB", 256 * MiB, 32 * MiB, True),
+            ("tapered to 16 MiB", 256 * MiB, 16 * MiB, True), ("tapered to 64 MiB", 256 * MiB, 64 * MiB, True),
+            ("128 MiB groups", 128 * MiB, None, True),
+            ("tapered to 32 MiB, host hashes", 256 * MiB, 32 * MiB, False))
+SETTINGS = ("DEVICE_READ_GROUP_NBYTES", "DEVICE_READ_LAST_NBYTES", "HASH_ON_DEVICE")
 
 
 def run_shape(shape: Shape, rounds: int) -> dict:
@@ -52,8 +56,7 @@ def run_shape(shape: Shape, rounds: int) -> dict:
     model = engine_model(shape)
     prefix = Prefix(shape, model.identity)
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name, *_ in VARIANTS}
-    defaults = (restore_mod.DEVICE_READ_GROUP_NBYTES, restore_mod.HASH_ON_DEVICE,
-                restore_mod.STAGING_READ_WORKERS)
+    defaults = [getattr(restore_mod, name) for name in SETTINGS]
     with tempfile.TemporaryDirectory() as tmp, Store(f"{tmp}/store") as store:
         save_prefix(store, prefix)
         request = RestoreRequest(prefix.tokens + [0], namespace="bench")
@@ -71,15 +74,15 @@ def run_shape(shape: Shape, rounds: int) -> dict:
 
         try:
             for r in range(rounds + 1):  # round 0 warms every variant up, untimed
-                for name, group_nbytes, on_device, readers in VARIANTS:
-                    (restore_mod.DEVICE_READ_GROUP_NBYTES, restore_mod.HASH_ON_DEVICE,
-                     restore_mod.STAGING_READ_WORKERS) = group_nbytes, on_device, readers
+                for name, *settings in VARIANTS:
+                    for setting, value in zip(SETTINGS, settings, strict=True):
+                        setattr(restore_mod, setting, value)
                     sample = once()
                     if r:
                         samples[name].append(sample)
         finally:
-            (restore_mod.DEVICE_READ_GROUP_NBYTES, restore_mod.HASH_ON_DEVICE,
-             restore_mod.STAGING_READ_WORKERS) = defaults
+            for setting, value in zip(SETTINGS, defaults, strict=True):
+                setattr(restore_mod, setting, value)
     out = {"nbytes": shape.nbytes, "rounds": rounds}
     for name, rows in samples.items():
         host = statistics.median(h for h, _ in rows)

@@ -14,6 +14,12 @@ of 64), from an embedded Store, with timestamps taken around the restore's own s
   settle        waiting for the device's hashes and comparing them (_settle)
   tail          restore() returned to mx.synchronize() returning (the device's copies)
 
+With --lag, a second pass waits for the device (mx.synchronize) after each group's read,
+before that group's copies start, and reports those waits per group (lag_ms): how much of
+the earlier groups' device copies and hashes was still running when the host had read the
+next group. All zeros: the device keeps up, and only the last group's copies are waited
+for. The pass serialises the groups, so its other phases are not the restore's.
+
 and, on the same bytes, the limits the phases are measured against:
 
   host copy     1 GiB (or 256 MiB) memcpy between two host buffers on 8 threads
@@ -73,6 +79,7 @@ class Timeline:
 
     def summary(self, host_end: float, sync_end: float) -> dict:
         ev = sorted(self.events, key=lambda e: e[1])
+        lags = [round((b - a) * 1e3, 2) for name, a, b in ev if name == "lag"]
         layouts = [(a, b) for name, a, b in ev if name == "layout"]
         settles = [(a, b) for name, a, b in ev if name == "settle"]
         reads = [(a, b) for name, a, b in ev if name == "read"]
@@ -88,11 +95,15 @@ class Timeline:
             "host_ms": host_end * 1e3,
             "tail_ms": (sync_end - host_end) * 1e3,
             "total_ms": sync_end * 1e3,
+            **({"lag_ms": lags} if lags else {}),
         }
 
 
 def _median_rows(rows: list[dict]) -> dict:
-    return {k: round(statistics.median(r[k] for r in rows), 2) for k in rows[0]}
+    """Medians of every figure; of a list (lag_ms), element by element."""
+    return {k: ([round(statistics.median(col), 2) for col in zip(*(r[k] for r in rows), strict=True)]
+                if isinstance(rows[0][k], list) else round(statistics.median(r[k] for r in rows), 2))
+            for k in rows[0]}
 
 
 def _threaded_copy(dst: np.ndarray, src: np.ndarray, workers: int = 8) -> None:
@@ -131,7 +142,7 @@ def limits(store: Store, prefix: Prefix, rounds: int) -> dict:
     return {k: round(statistics.median(v), 2) for k, v in out.items()}
 
 
-def run_shape(shape: Shape, rounds: int) -> dict:
+def run_shape(shape: Shape, rounds: int, lag: bool = False) -> dict:
     model = engine_model(shape)
     prefix = Prefix(shape, model.identity)
     timeline = Timeline()
@@ -140,25 +151,39 @@ def run_shape(shape: Shape, rounds: int) -> dict:
     RESTORE._settle = timeline.wrap("settle", settle)
     RESTORE.read_into = timeline.wrap("read", read)
     BlockPool.write_pages = timeline.wrap("layout", write_pages)
-    samples: list[dict] = []
+    timed_read, waited = RESTORE.read_into, timeline.wrap("lag", mx.synchronize)
+
+    def read_then_wait(*args, **kwargs):
+        timed_read(*args, **kwargs)
+        waited()
+
     try:
         with tempfile.TemporaryDirectory() as tmp, Store(f"{tmp}/store") as store:
             save_prefix(store, prefix)
             request = RestoreRequest(prefix.tokens + [0], namespace="bench")
-            for r in range(rounds + 1):  # round 0 warms up, untimed
-                timeline.events.clear()
-                timeline.t0 = time.perf_counter()
-                result = restore(model, store, request)
-                host_end = time.perf_counter() - timeline.t0
-                mx.synchronize()
-                sync_end = time.perf_counter() - timeline.t0
-                assert result.tokens_restored == shape.tokens, result.tokens_restored
-                for c in result.cache:
-                    c.free()
-                if r:
-                    samples.append(timeline.summary(host_end, sync_end))
+
+            def timed(rows: list) -> None:
+                for r in range(rounds + 1):  # round 0 warms up, untimed
+                    timeline.events.clear()
+                    timeline.t0 = time.perf_counter()
+                    result = restore(model, store, request)
+                    host_end = time.perf_counter() - timeline.t0
+                    mx.synchronize()
+                    sync_end = time.perf_counter() - timeline.t0
+                    assert result.tokens_restored == shape.tokens, result.tokens_restored
+                    for c in result.cache:
+                        c.free()
+                    if r:
+                        rows.append(timeline.summary(host_end, sync_end))
+
+            samples: list[dict] = []
+            timed(samples)
             out = {"nbytes": shape.nbytes, "rounds": rounds, "restore": _median_rows(samples),
                    "limits": limits(store, prefix, rounds)}
+            if lag:
+                RESTORE.read_into, lagged = read_then_wait, []
+                timed(lagged)
+                out["lag"] = _median_rows(lagged)
     finally:
         RESTORE._settle, RESTORE.read_into = settle, read
         BlockPool.write_pages = write_pages
@@ -169,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = probe_parser(__doc__, rounds=5)
     parser.add_argument("--device-path", action="store_true",
                         help="the staging path on a CPU too (a smoke run)")
+    parser.add_argument("--lag", action="store_true",
+                        help="a second pass waiting for the device after each group's read")
     args = parser.parse_args(argv)
     if args.device_path:
         import engine.cache  # noqa: PLC0415
@@ -176,11 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {mx.default_device()}, mlx {mx.__version__}", file=sys.stderr)
     out = {}
     for size in (["quick"] if args.quick else args.sizes):
-        out[size] = run_shape(QUICK if size == "quick" else SHAPES[size], args.rounds)
+        out[size] = run_shape(QUICK if size == "quick" else SHAPES[size], args.rounds, args.lag)
         print(f"{size:>5} restore " + " ".join(f"{k} {v}" for k, v in out[size]["restore"].items()),
               file=sys.stderr)
         print(f"{size:>5} limits  " + " ".join(f"{k} {v}" for k, v in out[size]["limits"].items()),
               file=sys.stderr)
+        if "lag" in out[size]:
+            print(f"{size:>5} lag     " + " ".join(f"{k} {v}" for k, v in out[size]["lag"].items()),
+                  file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -7,7 +7,7 @@
 #   TESTS  the CUDA tests of the page hash kernel, the deferred store read and the
 #          device restore (TT seconds);
 #   PHASES tools/bench/profile/issue19_phases.py: the restore's phases and the copy
-#          limits, 8B- and 1B-shaped at 8K (TP seconds);
+#          limits, 8B- and 1B-shaped at 8K (TP seconds); LAG=1 adds its --lag pass;
 #   GROUP_PROBE tools/bench/profile/issue19_groups.py: group sizes, host hashes, readers (TG);
 #   K4     the ttft bench of this tree, k4v4 pages, 1B and 8B at 8K (TK per process);
 #   AB     tools/bench/profile/issue19_ab_h200.sh without its groups probe: native TTFT
@@ -26,7 +26,7 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 if [ "${PHASES:-1}" = 1 ]; then
   timeout ${TP:-150} python3 tools/bench/profile/issue19_phases.py --rounds ${ROUNDS:-7} \
-    --json "$OUT/phases.json" > "$OUT/phases.log" 2>&1; echo "phases rc=$?"; cat "$OUT/phases.log"
+    $([ "${LAG:-0}" = 1 ] && echo --lag) --json "$OUT/phases.json" > "$OUT/phases.log" 2>&1; echo "phases rc=$?"; cat "$OUT/phases.log"
 fi
 if [ "${GROUP_PROBE:-1}" = 1 ]; then
   timeout ${TG:-150} python3 tools/bench/profile/issue19_groups.py --rounds ${ROUNDS:-7} \
