@@ -373,7 +373,7 @@ class PagedKVCache:
     def _write_encoded(self, encoded: dict[str, mx.array], start: int, stop: int) -> None:
         """Write encoded planes [1, H, stop - start, width] into token slots [start, stop):
         at most three writes per plane whatever the length (the partial first block, the
-        whole blocks in one scatter, the partial last block), so a prefill chunk costs a
+        whole blocks in one write_blocks, the partial last block), so a prefill chunk costs a
         few graph nodes per layer rather than one per block. A decode step is one
         SliceUpdate per plane: the planes as encoded, no slicing."""
         size = self.spec.block_size_tokens

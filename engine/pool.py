@@ -159,12 +159,31 @@ class BlockPool:
             self.planes[name][block, :, start:stop, :] = values
 
     def write_blocks(self, blocks: list[int], planes: dict[str, mx.array]) -> None:
-        """Write whole blocks at once: planes [len(blocks), H, block_size, width]."""
+        """Write whole blocks at once: planes [len(blocks), H, block_size, width], as
+        write_pages writes them (_write_runs: a slice update per run of consecutive
+        ids, which a prefill chunk's fresh blocks are; a scatter where they are not)."""
         for block in blocks:
             assert self._refs[block] == 1, f"write into block {block} with {self._refs[block]} refs"
-        ids = mx.array(blocks, dtype=mx.int32)
+        runs = _consecutive_runs(blocks)
+        ids = mx.array(blocks, dtype=mx.int32) if len(runs) > MAX_SLICE_RUNS else None
         for name, values in planes.items():
+            self._write_runs(name, values, runs, ids)
+
+    def _write_runs(self, name: str, values: mx.array, runs: list[tuple[int, int, int]],
+                    ids: mx.array | None) -> None:
+        """values [len(blocks), ...] into plane `name` at the blocks whose runs
+        (_consecutive_runs) are given: one scatter by `ids` when given, else one slice
+        update per run. MLX's CUDA scatter is slow: on the H200 a 2048-token chunk of one
+        8B-shaped layer spent 0.48 ms writing its two native planes (8 MiB) by scatter
+        (docs/kernels.md, Prefill)."""
+        if ids is not None:
             self.planes[name][ids] = values
+            return
+        for first, start, count in runs:
+            if count == self.num_blocks:  # a slice update of all of it would alias values
+                self.planes[name] = device_copy(values)
+            else:
+                self.planes[name][first : first + count] = values[start : start + count]
 
     def copy_block(self, source: int, target: int) -> None:
         """Copy every plane of one block into another (the copy of copy-on-write)."""
@@ -220,17 +239,9 @@ class BlockPool:
             staged = device_copy(staged)
             later.hash_rows(self, pages, staged, row)
         runs = _consecutive_runs(blocks)
-        ids = mx.array(blocks, dtype=mx.int32) if len(runs) > 4 else None
+        ids = mx.array(blocks, dtype=mx.int32) if len(runs) > MAX_SLICE_RUNS else None
         for r in page_regions(spec, spec.block_size_tokens):  # plane r of every row
-            plane = self._staged_plane(staged, r, n, row)
-            if ids is not None:
-                self.planes[r.name][ids] = plane
-                continue
-            for first, start, count in runs:
-                if count == self.num_blocks:  # a slice update of all of it would alias
-                    self.planes[r.name] = device_copy(plane)
-                else:
-                    self.planes[r.name][first : first + count] = plane[start : start + count]
+            self._write_runs(r.name, self._staged_plane(staged, r, n, row), runs, ids)
         for index, count in enumerate(counts):
             if count == spec.block_size_tokens:
                 continue
@@ -259,6 +270,11 @@ class BlockPool:
             raw = (staged if dtype == mx.uint8 else staged.view(dtype)).reshape(blocks, row // size)
             raw = raw[:, r.start // size : (r.start + r.nbytes) // size]
         return raw.reshape(blocks, self.spec.kv_heads, r.tokens, self.spec.plane_widths[r.name])
+
+
+# Blocks written by slice updates, one per run of consecutive ids, while they make at
+# most this many runs; one scatter beyond that (each slice update is a graph node).
+MAX_SLICE_RUNS = 4
 
 
 def _consecutive_runs(blocks: list[int]) -> list[tuple[int, int, int]]:

@@ -85,3 +85,33 @@ def test_dropping_a_cache_returns_its_blocks():
     assert pool.num_free_blocks == 1
     del cache
     assert pool.num_free_blocks == 4
+
+
+@pytest.mark.parametrize("name", ["native-f32", "k4v4"])
+@pytest.mark.parametrize("order", ["consecutive", "two runs", "scattered", "whole pool"])
+def test_write_blocks_writes_what_one_block_at_a_time_writes(name, order, monkeypatch):
+    """write_blocks by slice updates per run of consecutive ids (a prefill chunk's fresh
+    blocks), or one scatter when the ids make more than MAX_SLICE_RUNS runs, or a copy
+    when one run covers the pool: each plane equal, bit for bit, to writing the blocks
+    one by one with write(); the other blocks untouched."""
+    blocks = {"consecutive": [2, 3, 4], "two runs": [5, 6, 1, 2], "scattered": [7, 0, 5, 2, 4, 1],
+              "whole pool": list(range(8))}[order]
+    pools = [make_pool(name, blocks=8), make_pool(name, blocks=8)]
+    for pool in pools:  # both pools start from the same nonzero contents
+        pool.allocate(8)
+        for n, p in pool.planes.items():
+            pool.planes[n] = mx.array(np.arange(p.size).reshape(p.shape) % 97).astype(p.dtype)
+    rng = np.random.default_rng(7)
+    values = {n: mx.array(rng.integers(0, 97, (len(blocks), *p.shape[1:]))).astype(p.dtype)
+              for n, p in pools[0].planes.items()}
+    scattered = []
+    real = BlockPool._write_runs
+    monkeypatch.setattr(BlockPool, "_write_runs",
+                        lambda self, n, v, runs, ids: scattered.append(ids is not None) or real(self, n, v, runs, ids))
+    pools[0].write_blocks(blocks, values)
+    monkeypatch.undo()
+    for i, block in enumerate(blocks):
+        pools[1].write(block, 0, {n: v[i : i + 1] for n, v in values.items()})
+    assert set(scattered) == {order == "scattered"}
+    for n in pools[0].spec.plane_names:
+        assert mx.array_equal(pools[0].planes[n], pools[1].planes[n]).item(), n  # tolerance 0

@@ -18,22 +18,7 @@ if [ ! -f /root/site/.issue22p ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site .whl/pt/*.whl .whl/p22/*.whl \
     > "$OUT/pip.txt" 2>&1 && touch /root/site/.issue22p
 fi
-if ! python3 -c "import transformers" 2>/dev/null; then
-  mkdir -p /root/stub/transformers
-  cat > /root/stub/transformers/__init__.py <<'PY'
-"""Stand-in for transformers: the names mlx-lm imports at load; no tokenizer works."""
-class PreTrainedTokenizer: pass
-class PreTrainedTokenizerFast(PreTrainedTokenizer): pass
-class AutoTokenizer:
-    register = classmethod(lambda cls, *a, **k: None)
-    @classmethod
-    def from_pretrained(cls, *a, **k): raise RuntimeError("transformers stand-in: no tokenizers")
-class AutoConfig(AutoTokenizer): pass
-PY
-  echo "class PreTrainedTokenizerBase: pass" > /root/stub/transformers/tokenization_utils_base.py
-  export PYTHONPATH=/root/stub:${PYTHONPATH:-}
-  echo "transformers: stand-in"
-fi
+. tools/bench/profile/transformers_stub.sh
 nvidia-smi -L 2>&1
 python3 -c "import mlx.core as mx, mlx_lm, numpy; print(mx.__version__, mx.default_device())" 2>&1
 KVSTORE_TEST_IMPLS=cuda timeout "${TEST_LIMIT:-120}" python3 -m pytest -q -p no:cacheprovider -rfEs \
