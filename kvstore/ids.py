@@ -140,10 +140,15 @@ def tokens_to_bytes(tokens: Sequence[int]) -> bytes:
     return tokens_to_array(tokens).tobytes()
 
 
-def tokens_from_bytes(data: bytes) -> list[int]:
+def tokens_array_from_bytes(data: bytes) -> np.ndarray:
+    """Little-endian u32 token ids as a read-only array over data."""
     if len(data) % 4:
         raise InvalidInput(f"token bytes must be a multiple of 4, got {len(data)}")
-    return np.frombuffer(data, dtype="<u4").tolist()
+    return np.frombuffer(data, dtype="<u4")
+
+
+def tokens_from_bytes(data: bytes) -> list[int]:
+    return tokens_array_from_bytes(data).tolist()
 
 
 def check_chain_salt(salt) -> bytes | None:

@@ -56,7 +56,9 @@ from kvstore.ids import (
     check_chain_salt,
     check_name,
     check_namespace,
+    tokens_array_from_bytes,
     tokens_from_bytes,
+    tokens_to_array,
     tokens_to_bytes,
 )
 
@@ -128,15 +130,18 @@ class BlockRecord:
         check_namespace(self.namespace)
         if len(self.format_id) != 32 or len(self.parent) != 32:
             raise InvalidInput("format id and parent must be 32 bytes")
-        if not self.tokens:
+        if len(self.tokens) == 0:
             raise InvalidInput("a block holds at least one token")
-        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
+        # integers in [0, 2^32) or InvalidInput (a float, a bool or a numeric string is
+        # refused, never truncated or parsed); one array for the tuple and the key both
+        tokens = tokens_to_array(self.tokens)
+        object.__setattr__(self, "tokens", tuple(tokens.tolist()))
         object.__setattr__(self, "pages", tuple(PageDigest.coerce(p) for p in self.pages))
         object.__setattr__(self, "parent", bytes(self.parent))
         object.__setattr__(self, "format_id", bytes(self.format_id))
         object.__setattr__(self, "salt", check_chain_salt(self.salt))
         object.__setattr__(self, "key", chain_key(self.format_id, self.namespace, self.parent,
-                                                  self.tokens, salt=self.salt))
+                                                  tokens, salt=self.salt))
 
     @property
     def salted(self) -> bool:
@@ -178,12 +183,12 @@ class BlockRecord:
                     "the service reads them from its tokens file's [[namespace]] tables, and "
                     "POST /v1/admin/check checks such a store)")
         at += nslen
-        tokens = tokens_from_bytes(raw[at : at + 4 * ntok])
+        tokens = tokens_array_from_bytes(raw[at : at + 4 * ntok])  # u32: no per-token Python
         at += 4 * ntok
         pages = tuple(PageDigest(raw[at + 32 * i : at + 32 * (i + 1)]) for i in range(npages))
         if at + 32 * npages != len(raw):
             raise ValueError("block record length does not match its counts")
-        return cls(fid, ns, parent, tuple(tokens), pages, created, used, salt=salt)
+        return cls(fid, ns, parent, tokens, pages, created, used, salt=salt)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import struct
 from pathlib import Path
 
 import blake3
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -216,10 +217,32 @@ def test_good_names_pass_unchanged(ns, name):
     assert check_namespace(ns) == ns and check_name(name) == name
 
 
-@pytest.mark.parametrize("tokens", [[-1], [2**32], [1.5], [[1, 2]], ["7"]])
+@pytest.mark.parametrize("tokens", [[-1], [2**32], [1.5], [[1, 2]], ["7"], [True]])
 def test_bad_token_ids_are_refused(tokens):
     with pytest.raises(InvalidInput):
         chain_key(bytes(32), "ns", ROOT_KEY, tokens)
+
+
+@pytest.mark.parametrize("tokens", [(-1,), (2**32,), (1.5,), (3, 2.0), ("7",), (True,), ()])
+def test_a_block_record_refuses_what_is_not_a_token_id(tokens):
+    """A float, a bool or a numeric string is refused, never truncated or parsed into a
+    token id (BlockRecord made them int() before: (1.5,) became (1,), ("7",) became (7,);
+    kvstore/wire.py block_from_json reads records from JSON, the HTTP client from a
+    server's reply)."""
+    with pytest.raises(InvalidInput):
+        BlockRecord(bytes(32), "ns", ROOT_KEY, tokens, ())
+
+
+def test_a_block_record_holds_python_ints_whatever_it_was_given():
+    """Tokens as numpy integers (or the u32 array decode() hands over) come out as a tuple
+    of Python ints, equal to and hashing like the record made from a plain tuple."""
+    plain = BlockRecord(bytes(32), "ns", ROOT_KEY, (1, 2, 2**32 - 1), ())
+    for value in (np.array([1, 2, 2**32 - 1], dtype=np.uint32), [np.int64(1), np.int64(2), 2**32 - 1]):
+        record = BlockRecord(bytes(32), "ns", ROOT_KEY, value, ())
+        assert record == plain and record.key == plain.key and hash(record) == hash(plain)
+        assert all(type(t) is int for t in record.tokens)
+    back = BlockRecord.decode(plain.encode())
+    assert back == plain and all(type(t) is int for t in back.tokens)
 
 
 # -- golden vectors (also in docs/format.md) ------------------------------------------------------
