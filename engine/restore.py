@@ -608,9 +608,10 @@ def _hash_on_device() -> bool:
     return HASH_ON_DEVICE and not direct_writes() and cuda_available()
 
 
-# A device restore reads its layers in groups of at most about this many bytes, each
-# group's device copies started as soon as its pages are in staging, so that they overlap
-# the next group's read (_read_into_staging). H200, 8K tokens, the restore with its device
+# A device restore reads its layers in groups of at least this many bytes (the first
+# group takes what is left: read_groups lays them out from the end), each group's device
+# copies started as soon as its pages are in staging, so that they overlap the next
+# group's read (_read_into_staging). H200, 8K tokens, the restore with its device
 # copies (tools/bench/profile/issue19_groups.py, medians of 5-6, three runs): 8B-shaped
 # (1 GiB) in 256 MiB groups 97.8 ms against 110.7 in one group and 100.2 in 128 MiB
 # groups; 1B-shaped (256 MiB, so one group) 41.8 ms, in 128 MiB groups 39.9, in 64 MiB

@@ -87,35 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--writes", action="store_true", help="only write_blocks, one layer's chunk")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
-    if args.writes:
-        default = engine.pool.MAX_SLICE_RUNS
-        try:
-            result = writes(args.formats, args.prefill_step, args.block_size, args.rounds)
-        finally:
-            engine.pool.MAX_SLICE_RUNS = default
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"device": str(mx.default_device()), "writes": result}, f, indent=1)
-        return 0
-    size, contexts = ("quick", [512]) if args.quick else (args.size, [int(c) for c in args.contexts.split(",")])
-    step = 128 if args.quick else args.prefill_step
-    print(f"device {mx.default_device()}, mlx {mx.__version__}, {size}", file=sys.stderr)
-    model, _ = build_model(size, mx.bfloat16)
-    default = engine.pool.MAX_SLICE_RUNS
-    out: dict = {"size": size, "prefill_step": step, "block_size": args.block_size}
+    default = engine.pool.MAX_SLICE_RUNS  # the arms set it; put back whatever happens
     try:
-        for context in contexts:
-            prompt = mx.random.randint(0, SIZES[size]["vocab_size"], (context,), key=mx.random.key(context))
-            result = interleaved_prefill(model, factories(model, args.block_size, args.formats), prompt,
-                                         args.rounds, step)
-            out[str(context)] = result
-            for name, row in result.items():
-                if isinstance(row, dict) and "ttft_ms" in row:
-                    print(f"{context:>6} {name:<28} TTFT {row['ttft_ms']:9.1f} ms, "
-                          f"KVCache's / this {row['x_kvcache_within_rounds']:.3f} "
-                          f"(rounds {row['rounds_ms']})", file=sys.stderr)
-                elif isinstance(row, dict):
-                    print(f"{context:>6} {name:<28} {row}", file=sys.stderr)
+        out = run(args)
     finally:
         engine.pool.MAX_SLICE_RUNS = default
     if args.json:
@@ -123,6 +97,29 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(out, f, indent=1)
     return 0
 
+
+def run(args: argparse.Namespace) -> dict:
+    print(f"device {mx.default_device()}, mlx {mx.__version__}", file=sys.stderr)
+    if args.writes:
+        return {"device": str(mx.default_device()),
+                "writes": writes(args.formats, args.prefill_step, args.block_size, args.rounds)}
+    size, contexts = ("quick", [512]) if args.quick else (args.size, [int(c) for c in args.contexts.split(",")])
+    step = 128 if args.quick else args.prefill_step
+    model, _ = build_model(size, mx.bfloat16)
+    out: dict = {"size": size, "prefill_step": step, "block_size": args.block_size}
+    for context in contexts:
+        prompt = mx.random.randint(0, SIZES[size]["vocab_size"], (context,), key=mx.random.key(context))
+        result = interleaved_prefill(model, factories(model, args.block_size, args.formats), prompt,
+                                     args.rounds, step)
+        out[str(context)] = result
+        for name, row in result.items():
+            if isinstance(row, dict) and "ttft_ms" in row:
+                print(f"{context:>6} {name:<28} TTFT {row['ttft_ms']:9.1f} ms, "
+                      f"KVCache's / this {row['x_kvcache_within_rounds']:.3f} "
+                      f"(rounds {row['rounds_ms']})", file=sys.stderr)
+            elif isinstance(row, dict):
+                print(f"{context:>6} {name:<28} {row}", file=sys.stderr)
+    return out
 
 if __name__ == "__main__":
     raise SystemExit(main())
