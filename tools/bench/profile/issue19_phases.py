@@ -14,12 +14,6 @@ of 64), from an embedded Store, with timestamps taken around the restore's own s
   settle        waiting for the device's hashes and comparing them (_settle)
   tail          restore() returned to mx.synchronize() returning (the device's copies)
 
-With --lag, a second pass waits for the device (mx.synchronize) after each group's read,
-before that group's copies start, and reports those waits per group (lag_ms): how much of
-the earlier groups' device copies and hashes was still running when the host had read the
-next group. All zeros: the device keeps up, and only the last group's copies are waited
-for. The pass serialises the groups, so its other phases are not the restore's.
-
 and, on the same bytes, the limits the phases are measured against:
 
   host copy     1 GiB (or 256 MiB) memcpy between two host buffers on 8 threads
@@ -27,6 +21,12 @@ and, on the same bytes, the limits the phases are measured against:
                 copies, nothing laid out, no device work)
   bus copy      device_copy of the staging buffer (managed memory on the host) into
                 device memory
+
+With --lag, a second pass waits for the device (mx.synchronize) after each group's read,
+before that group's copies start, and reports those waits per group (lag_ms): how much of
+the earlier groups' device copies and hashes was still running when the host had read the
+next group. All zeros: the device keeps up, and only the last group's copies are waited
+for. The pass serialises the groups, so its other phases are not the restore's.
 
 Medians over --rounds. From the repository root:
   PYTHONPATH=$PWD python3 tools/bench/profile/issue19_phases.py [--rounds 5] [--quick] [--json F]
