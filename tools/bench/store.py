@@ -5,6 +5,7 @@ Usage:
   python -m tools.bench.store --quick      # 4 layers, 1024 tokens: 16 MiB (seconds)
   python -m tools.bench.store --json       # one JSON object (cases, medians, "ratios")
   python -m tools.bench.store --repeats 7 --dir /path/on/the/disk/to/measure
+  python -m tools.bench.store --cases "KVCache,load_prompt,page arrays"   # only those cases
 
 The prefix is shaped like Llama-3.1-8B's KV cache: 32 layers, 8 KV heads, head dim 128,
 bf16, 256-token blocks, so one page (one layer of one block, K then V) is 1 MiB and the
@@ -235,7 +236,9 @@ def limit_copy(blob: memoryview, page_nbytes: int, out: np.ndarray) -> None:
         np.copyto(out[start : start + page_nbytes], page)
 
 
-def run(shape: Shape, repeats: int, root: Path) -> dict[str, list[float]]:
+def run(shape: Shape, repeats: int, root: Path, only: list[str] | None = None) -> dict[str, list[float]]:
+    """Seconds per sample of each case; with `only`, just the cases whose names contain
+    one of those strings."""
     model = engine_model(shape)
     prefix = Prefix(shape, model.identity)
     caches = prefix.kv_caches()
@@ -306,6 +309,10 @@ def run(shape: Shape, repeats: int, root: Path) -> dict[str, list[float]]:
             "file write + fsync": lambda: timed(plain_write),
             "file read": lambda: timed(plain_read),
         }
+        if only:
+            cases = {name: fn for name, fn in cases.items() if any(o in name for o in only)}
+            if not cases:
+                raise SystemExit(f"--cases {','.join(only)} names no case")
         # each case returns its own seconds: interleaved() times the wrapper, so take
         # the inner figure (setup such as removing a fresh store stays out of it)
         inner: dict[str, list[float]] = {name: [] for name in cases}
@@ -340,7 +347,7 @@ def check_restores(store: Store, prefix: Prefix, model: EngineModel, page_arrays
 # -- report ------------------------------------------------------------------------------
 def ratios(times: dict[str, list[float]]) -> dict[str, float]:
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {name: med[num] / med[den] for name, num, den, _ in RATIOS}
+    return {name: med[num] / med[den] for name, num, den, _ in RATIOS if num in med and den in med}
 
 
 def document(shape: Shape, times: dict[str, list[float]]) -> dict:
@@ -387,12 +394,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (5; 3 with --quick)")
     parser.add_argument("--dir", type=Path, default=None, help="where the store and files go (a temp dir)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument("--cases", default=None,
+                        help="comma-separated parts of case names: only those cases run, "
+                             "interleaved as ever (ratios of cases left out are not given)")
     args = parser.parse_args(argv)
     shape = QUICK if args.quick else FULL
     repeats = args.repeats or (3 if args.quick else 5)
     root = Path(tempfile.mkdtemp(prefix="kvstore-bench-", dir=args.dir))
     try:
-        times = run(shape, repeats, root)
+        times = run(shape, repeats, root, args.cases.split(",") if args.cases else None)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(document(shape, times)) if args.json else table(shape, times))
