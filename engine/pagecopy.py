@@ -30,6 +30,7 @@ import io
 import json
 import os
 import struct
+import sys
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -65,6 +66,41 @@ _SAFETENSORS_DTYPES = {mx.uint8: "U8", mx.uint16: "U16", mx.uint32: "U32", mx.in
                        mx.float32: "F32"}
 
 
+# Whether uninitialised() asks the kernel for transparent huge pages on its fresh arrays.
+HUGE_PAGES = True
+_MADV_HUGEPAGE = 14  # linux/mman.h
+_HUGE_PAGE = 2 * 2**20
+
+
+@functools.cache
+def _madvise():
+    """libc's madvise, or None where there is none (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
+    return fn
+
+
+def advise_huge_pages(buffer: memoryview) -> bool:
+    """madvise(MADV_HUGEPAGE) over the whole 2 MiB pages inside a writable buffer, so
+    that its first touch maps 2 MiB per fault instead of 4 KiB where the kernel's
+    transparent huge pages are in "madvise" mode (a fresh 512 MiB restore: 131k faults).
+    Only a hint: memory already mapped keeps its pages, and a refusal (EINVAL on a
+    kernel without THP) changes nothing. True when the kernel took it."""
+    fn = _madvise()
+    if fn is None or len(buffer) < _HUGE_PAGE:
+        return False
+    start = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    lo = -(-start // _HUGE_PAGE) * _HUGE_PAGE
+    hi = (start + len(buffer)) // _HUGE_PAGE * _HUGE_PAGE
+    return hi > lo and fn(lo, hi - lo, _MADV_HUGEPAGE) == 0
+
+
 def uninitialised(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, mx.Dtype]) -> dict[str, mx.array]:
     """Fresh evaluated arrays (name -> array of shapes[name], dtypes[name]) whose bytes
     are whatever their memory held: numpy's empty() for MLX, for a caller that writes
@@ -79,7 +115,11 @@ def uninitialised(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, mx.Dtype
     (2-core CPU, a probe: 32 arrays of [2, 1, 8, 4096, 128] bf16 allocated and each
     filled by one numpy copy, medians of 5: 79 ms this way against 148 ms through
     mx.zeros; the restore itself: docs/benchmarks.md "2026-12-03".) A build of MLX that
-    called read() instead would get zeros from it: slower, never wrong."""
+    called read() instead would get zeros from it: slower, never wrong.
+
+    With HUGE_PAGES, each array's memory is advised MADV_HUGEPAGE before anything
+    touches it (advise_huge_pages), so the first write faults 2 MiB at a time where the
+    kernel allows it (tools/bench/profile/issue19_hugepages.py measures the difference)."""
     if not shapes:
         return {}
     out = mx.load(_UninitialisedStream([(n, shape, dtypes[n]) for n, shape in shapes.items()]),
@@ -125,6 +165,8 @@ class _UninitialisedStream(io.RawIOBase):
         head = max(0, min(n, len(self._header) - self._pos))
         if head:
             view[:head] = self._header[self._pos : self._pos + head]
+        if HUGE_PAGES and n > head:
+            advise_huge_pages(view[head:n])
         self._pos += n  # past the header: the tensor's memory is left as MLX allocated it
         return n
 

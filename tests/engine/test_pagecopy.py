@@ -5,6 +5,7 @@ pass is a speed claim: tools/bench/store.py measures it, no test times it.)"""
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import threading
 from contextlib import contextmanager
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+import engine.pagecopy as pagecopy
 from engine.cache import PagedKVCache
 from engine.formats import FORMATS, PageSpec, pages_from_blocks, resolve_format
 from engine.pagecopy import (
@@ -71,6 +73,41 @@ def test_uninitialised_arrays_have_their_shapes_and_are_the_memory_their_host_vi
         assert np.array(a.view(mx.uint8)).tobytes() == want.tobytes()
     assert uninitialised({}, {}) == {}
 
+
+
+def _vma_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds address (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux")
+                    or not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+                    reason="transparent huge pages are a Linux kernel feature; this kernel has none")
+def test_uninitialised_arrays_ask_for_huge_pages(monkeypatch):
+    """A KVCache-layout restore's fresh arrays are advised MADV_HUGEPAGE before their
+    first write (engine/pagecopy.py HUGE_PAGES), so that the write maps 2 MiB per fault.
+    The kernel records the advice on the array's mapping: VmFlags "hg". (Not the other
+    way round: freed memory that MLX's allocator hands out again keeps its advice.)"""
+    monkeypatch.setattr(pagecopy, "HUGE_PAGES", True)
+    out = uninitialised({"k": (1, 8, 4096, 128)}, {"k": mx.bfloat16})  # 8 MiB
+    host = host_view(out["k"])
+    middle = host.ctypes.data + host.nbytes // 2 // 2**21 * 2**21  # inside an advised 2 MiB page
+    assert "hg" in _vma_flags(middle)
+    host[...] = 7
+    assert np.array(out["k"].view(mx.uint8)).min() == 7
+
+
+def test_advise_huge_pages_leaves_a_buffer_smaller_than_a_huge_page_alone():
+    assert not pagecopy.advise_huge_pages(memoryview(bytearray(2**20)))
 
 @pytest.mark.skipif(not direct_writes(), reason="device backend: pages go through staging")
 @pytest.mark.parametrize("name", ["native-bf16", "native-f32", "k8v4", "k4v4"])
