@@ -91,7 +91,10 @@ def advise_huge_pages(buffer: memoryview) -> bool:
     that its first touch maps 2 MiB per fault instead of 4 KiB where the kernel's
     transparent huge pages are in "madvise" mode (a fresh 512 MiB restore: 131k faults).
     Only a hint: memory already mapped keeps its pages, and a refusal (EINVAL on a
-    kernel without THP) changes nothing. True when the kernel took it."""
+    kernel without THP) changes nothing. True when the kernel took it. The kernel
+    splits the mapping at the advised range's ends; ranges advised side by side merge
+    again, so a heap holds at most one extra mapping per 2 MiB (vm.max_map_count is
+    65530 by default)."""
     fn = _madvise()
     if fn is None or len(buffer) < _HUGE_PAGE:
         return False

@@ -42,7 +42,7 @@ def sample(arrays: int, tokens: int, source: np.ndarray, huge: bool) -> tuple[fl
                                      {f"a{i}": mx.bfloat16 for i in range(arrays)})
         copies = pagecopy.PageCopies()
         for a in out.values():
-            copies.add_pairs([(source, pagecopy.host_view(a).reshape(-1))])
+            copies.add_pairs([(pagecopy.host_view(a).reshape(-1), source)])  # (target, source)
         copies.run()
         seconds = time.perf_counter() - t0
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
