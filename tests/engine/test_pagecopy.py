@@ -74,7 +74,6 @@ def test_uninitialised_arrays_have_their_shapes_and_are_the_memory_their_host_vi
     assert uninitialised({}, {}) == {}
 
 
-
 def _vma_flags(address: int) -> list[str]:
     """The VmFlags of the mapping of this process that holds address (/proc/self/smaps)."""
     inside = False
@@ -108,6 +107,7 @@ def test_uninitialised_arrays_ask_for_huge_pages(monkeypatch):
 
 def test_advise_huge_pages_leaves_a_buffer_smaller_than_a_huge_page_alone():
     assert not pagecopy.advise_huge_pages(memoryview(bytearray(2**20)))
+
 
 @pytest.mark.skipif(not direct_writes(), reason="device backend: pages go through staging")
 @pytest.mark.parametrize("name", ["native-bf16", "native-f32", "k8v4", "k4v4"])
